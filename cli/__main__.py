@@ -1,0 +1,3 @@
+from mopd.cli.main import main
+
+main()

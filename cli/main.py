@@ -1,0 +1,42 @@
+"""The `mopd` click group and the mapping of errors to exit codes (DESIGN §8).
+
+Exit codes: 0 ok; 1 a problem found or a run failed for a stated reason (one clear message, no
+traceback unless --debug); 2 usage error (click's own).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from mopd.cli.store_commands import inspect_command, verify_manifest_command
+from mopd.store.errors import MopdError
+from mopd.store.version import __version__
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except MopdError as err:
+            if ctx.params.get("debug"):
+                raise
+            click.echo(f"error: {err}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="mopd")
+@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
+def cli(debug: bool) -> None:
+    """mopd: distil one student LLM from several teachers through stored teacher hidden states."""
+
+
+cli.add_command(verify_manifest_command)
+cli.add_command(inspect_command)
+
+
+def main() -> None:
+    cli(prog_name="mopd")

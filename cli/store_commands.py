@@ -1,0 +1,75 @@
+"""`mopd verify-manifest` and `mopd inspect`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from mopd.store.config import load_config
+from mopd.store.summary import summarise_store
+from mopd.store.verify import verify_store
+
+
+@click.command("verify-manifest")
+@click.argument("store", type=click.Path(path_type=Path))
+@click.option("--config", "config_path", type=click.Path(path_type=Path),
+              help="Also check that this config numbers the teachers as the store does.")
+@click.option("--checkpoint", type=click.Path(path_type=Path),
+              help="Also check the teacher list recorded in this training checkpoint.")
+@click.option("--full", is_flag=True, help="Re-hash every byte (default: sizes and shapes only).")
+@click.option("--json", "as_json", is_flag=True, help="Print the problems as a JSON list.")
+def verify_manifest_command(store: Path, config_path: Path | None, checkpoint: Path | None, full: bool,
+                            as_json: bool) -> None:
+    """Prove that STORE is complete and unchanged, and agrees with a config and a checkpoint.
+
+    Reports every problem, one per line (exit 1), or nothing (exit 0). Never writes to STORE.
+    """
+    config = load_config(config_path) if config_path is not None else None
+    problems, warnings = verify_store(store, config=config, checkpoint=checkpoint, full=full)
+    for warning in warnings:
+        click.echo(f"warning: {warning}", err=True)
+    if as_json:
+        click.echo(json.dumps(problems, indent=2))
+    elif problems:
+        for problem in problems:
+            click.echo(problem)
+    else:
+        mode = "every byte hashed" if full else "sizes and shapes; --full hashes every byte"
+        click.echo(f"ok: {store} is complete and consistent ({mode})")
+    sys.exit(1 if problems else 0)
+
+
+def _size(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if num_bytes < 1024 or unit == "TiB":
+            return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{int(num_bytes)} B"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+@click.command("inspect")
+@click.argument("store", type=click.Path(path_type=Path))
+def inspect_command(store: Path) -> None:
+    """Show the teachers, rows, tokens and bytes of STORE."""
+    summary = summarise_store(store)
+    console = Console()
+    table = Table(title=f"{summary.path}  (format v{summary.format_version}, {summary.created_by})")
+    for column in ("index", "aliases", "checkpoint", "fingerprint", "hidden", "vocab", "rows", "tokens",
+                   "stored", "as fp32 logits"):
+        table.add_column(column, justify="right" if column in {"index", "hidden", "vocab", "rows",
+                                                               "tokens"} else "left")
+    for t in summary.teachers:
+        table.add_row(str(t.index), ", ".join(t.aliases), t.checkpoint, t.fingerprint[:12], str(t.hidden_size),
+                      str(t.vocab_size), str(t.rows), str(t.tokens), _size(t.stored_bytes),
+                      _size(t.full_logit_bytes))
+    console.print(table)
+    console.print(
+        f"{summary.rows} rows, {summary.tokens} tokens; hidden states {summary.hidden_dtype}, codec "
+        f"{summary.codec}: {_size(summary.stored_bytes)} on disk, compression ratio "
+        f"{summary.compression_ratio:.3f}"
+    )

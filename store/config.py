@@ -1,0 +1,221 @@
+"""The one YAML config shared by `mopd precompute` and `mopd train` (DESIGN §9).
+
+Each component owns a small frozen model; `MopdConfig` only composes them. Unknown keys are errors, and
+every error names the dotted key the user wrote. Relative paths are resolved against the folder that
+holds the config file, so a config means the same thing from any working directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from mopd.store.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RoutingConfig(_Section):
+    """How a row's metadata column picks its teacher alias."""
+
+    field: str = "agent"
+    # agent -> alias; empty means every alias routes the agent of the same name.
+    teacher_by_agent: dict[str, str] = Field(default_factory=dict)
+    default_teacher: str | None = None
+
+
+class DataConfig(_Section):
+    path: str
+    max_length: int = Field(2048, gt=0)
+    # Rows longer than max_length: cut to max_length ("truncate") or left out ("drop").
+    overlong: Literal["truncate", "drop"] = "truncate"
+
+
+class StoreConfig(_Section):
+    path: str = "out/teachers.zarr"
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    codec: Literal["shuffle-zstd1", "none"] = "shuffle-zstd1"
+
+
+class PrecomputeConfig(_Section):
+    backend: Literal["hf", "vllm", "megatron"] = "hf"
+    batch_tokens: int = Field(16384, gt=0)
+    device: str = "auto"
+    rows_per_task: int = Field(1024, gt=0)
+
+
+class ParallelConfig(_Section):
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+
+
+class DivergenceConfig(_Section):
+    kind: Literal["reverse_kl", "forward_kl", "jsd", "cross_entropy", "entropy", "tvd"] = "reverse_kl"
+    beta: float = Field(0.5, ge=0.0, le=1.0)
+    temperature: float = Field(1.0, gt=0.0)
+    chunk_size: int = Field(1024, gt=0)
+    ce_weight: float = Field(0.0, ge=0.0)
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1.0e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_steps: int = Field(10, ge=0)
+    grad_clip: float = Field(1.0, gt=0.0)
+
+
+class BatchConfig(_Section):
+    micro_batch_tokens: int = Field(8192, gt=0)
+    global_batch_tokens: int = Field(65536, gt=0)
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(100, gt=0)
+    keep: int = Field(3, ge=1)
+
+
+class TrainConfig(_Section):
+    student: str
+    backend: Literal["hf", "megatron"] = "hf"
+    parallel: ParallelConfig = ParallelConfig()
+    divergence: DivergenceConfig = DivergenceConfig()
+    teacher_weights: dict[str, float] = Field(default_factory=dict)
+    lm_head_lifecycle: Literal["none", "offload", "evict"] = "offload"
+    optim: OptimConfig = OptimConfig()
+    batch: BatchConfig = BatchConfig()
+    steps: int = Field(1000, gt=0)
+    seed: int = 0
+    output_dir: str = "out/run"
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+
+class MopdConfig(_Section):
+    tokenizer: str | None = None
+    teachers: dict[str, str] = Field(min_length=1)
+    routing: RoutingConfig = RoutingConfig()
+    data: DataConfig
+    store: StoreConfig = StoreConfig()
+    precompute: PrecomputeConfig = PrecomputeConfig()
+    train: TrainConfig | None = None
+
+    @model_validator(mode="after")
+    def _aliases_exist(self) -> MopdConfig:
+        aliases = set(self.teachers)
+        for agent, alias in self.routing.teacher_by_agent.items():
+            if alias not in aliases:
+                raise ValueError(
+                    f"routing.teacher_by_agent.{agent}: alias {alias!r} is not in teachers "
+                    f"({', '.join(sorted(aliases))})"
+                )
+        default = self.routing.default_teacher
+        if default is not None and default not in aliases:
+            raise ValueError(f"routing.default_teacher: alias {default!r} is not in teachers")
+        if self.train is not None:
+            for alias in self.train.teacher_weights:
+                if alias not in aliases:
+                    raise ValueError(f"train.teacher_weights.{alias}: not an alias in teachers")
+        return self
+
+    def agent_to_alias(self) -> dict[str, str]:
+        """The routing table: explicit `teacher_by_agent`, else each alias routes its own name."""
+        return dict(self.routing.teacher_by_agent) or {alias: alias for alias in self.teachers}
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys (PyYAML silently keeps the last one)."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise ConfigError(
+                f"duplicate key {key!r} at line {key_node.start_mark.line + 1} "
+                f"(first at line {seen[key] + 1}); each key may appear once"
+            )
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_yaml(path: str | Path) -> Any:
+    """Parses a YAML file safely; duplicate keys raise `ConfigError`."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err.strerror}") from err
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from err
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = item["msg"].removeprefix("Value error, ")
+        lines.append(f"`{key}`: {message}" if item["loc"] else message)
+    return "; ".join(lines)
+
+
+def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
+    def as_path(value: str) -> str:
+        return str((base / Path(value).expanduser()).resolve())
+
+    def as_checkpoint(value: str) -> str:
+        # A checkpoint is a local folder when it exists or is written as a path; anything else
+        # (e.g. "org/model") is kept as an identifier and normalised by `normalise_checkpoint`.
+        looks_like_path = value.startswith((".", "/", "~")) or (base / value).exists()
+        return as_path(value) if looks_like_path else value
+
+    out = dict(raw)
+    if isinstance(out.get("teachers"), dict):
+        out["teachers"] = {alias: as_checkpoint(str(ckpt)) for alias, ckpt in out["teachers"].items()}
+    if isinstance(out.get("tokenizer"), str):
+        out["tokenizer"] = as_checkpoint(out["tokenizer"])
+    for section, key, resolve in (
+        ("data", "path", as_path),
+        ("store", "path", as_path),
+        ("train", "student", as_checkpoint),
+        ("train", "output_dir", as_path),
+    ):
+        block = out.get(section)
+        if isinstance(block, dict) and isinstance(block.get(key), str):
+            out[section] = {**block, key: resolve(block[key])}
+    return out
+
+
+def parse_config(raw: Any, *, base_dir: str | Path, source: str = "config") -> MopdConfig:
+    """Validates a parsed YAML document; relative paths resolve against `base_dir`.
+
+    Raises:
+        ConfigError: naming every offending key.
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, found {type(raw).__name__}")
+    try:
+        return MopdConfig.model_validate(_resolve_paths(raw, Path(base_dir)))
+    except ValidationError as err:
+        raise ConfigError(f"{source}: {_format_validation_error(err)}") from err
+
+
+def load_config(path: str | Path) -> MopdConfig:
+    """Loads and validates a config file.
+
+    Raises:
+        ConfigError: the file is unreadable, not YAML, has duplicate keys, or fails validation.
+    """
+    path = Path(path)
+    return parse_config(load_yaml(path), base_dir=path.resolve().parent, source=str(path))

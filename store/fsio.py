@@ -1,0 +1,180 @@
+"""Durable filesystem primitives of the commit protocol (DESIGN §4).
+
+Durable before visible: every file and folder is fsynced before a rename publishes it, and the parent
+is fsynced after. Publication never overwrites: folders are renamed onto names that must not exist (a
+rename onto a non-empty folder fails on POSIX filesystems) and records are created with `os.link`,
+which fails when the name exists. `probe_filesystem` checks that both really fail where the store lives.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import uuid
+from pathlib import Path
+
+from mopd.store.errors import FilesystemError, ManifestError
+
+_HASH_BLOCK = 1 << 22
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsyncs every file, then every folder bottom-up, then the root itself."""
+    for folder, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_path(Path(folder) / name)
+        fsync_path(Path(folder))
+
+
+def unique_temp_name(final: Path) -> Path:
+    """A sibling of `final` that no other writer can pick: `<name>.tmp-<uuid>`."""
+    return final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex}")
+
+
+def is_temporary(name: str) -> bool:
+    return ".tmp-" in name
+
+
+def create_exclusive(path: Path, data: bytes) -> bool:
+    """Creates `path` with `data`, durably, only if it does not exist.
+
+    Returns:
+        True if this call created it; False if the name already existed (its content untouched).
+    """
+    temp = unique_temp_name(path)
+    with temp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(temp, path)
+        created = True
+    except FileExistsError:
+        created = False
+    finally:
+        temp.unlink()
+    fsync_path(path.parent)
+    return created
+
+
+def write_replace(path: Path, data: bytes) -> None:
+    """Writes `path` atomically (temp + fsync + rename); for files whose every version is identical."""
+    temp = unique_temp_name(path)
+    with temp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+    fsync_path(path.parent)
+
+
+def publish_dir(temp: Path, final: Path) -> bool:
+    """Makes a fully written temporary folder visible under its final name.
+
+    Returns:
+        True if published; False if `final` already exists with content (another writer won).
+    """
+    fsync_tree(temp)
+    try:
+        os.rename(temp, final)
+    except OSError as err:
+        if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return False
+        raise
+    fsync_path(final.parent)
+    return True
+
+
+def file_digests(root: Path) -> dict[str, tuple[int, str]]:
+    """Relative path → (size, sha256) for every file below `root`, sorted by path."""
+    out: dict[str, tuple[int, str]] = {}
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            path = Path(folder) / name
+            out[path.relative_to(root).as_posix()] = (path.stat().st_size, sha256_file(path))
+    return dict(sorted(out.items()))
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def safe_join(root: Path, relative: str) -> Path:
+    """`root / relative` for a path read from a record, refusing anything that escapes `root`.
+
+    Raises:
+        ManifestError: absolute paths, `..` components, or symlinks leading outside `root`.
+    """
+    rel = Path(relative)
+    if rel.is_absolute() or ".." in rel.parts or relative.startswith("~"):
+        raise ManifestError(f"path {relative!r} in a store record must be relative and stay inside the store")
+    joined = root / rel
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(joined)
+    if real != real_root and not real.startswith(real_root + os.sep):
+        raise ManifestError(f"path {relative!r} in a store record leads outside the store (symlink?)")
+    return joined
+
+
+def _filesystem_type(path: Path) -> str:
+    best, fstype = "", "unknown"
+    try:
+        real = os.path.realpath(path)
+        for line in Path("/proc/mounts").read_text().splitlines():
+            _dev, mount, kind, *_ = line.split()
+            if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+                best, fstype = mount, kind
+    except OSError:
+        pass
+    return fstype
+
+
+def probe_filesystem(root: Path) -> None:
+    """Checks that exclusive create and rename-onto-non-empty-folder fail here, as the protocol needs.
+
+    Raises:
+        FilesystemError: naming the filesystem type when either guarantee is missing.
+    """
+    probe = root / f"_probe.tmp-{uuid.uuid4().hex}"
+    probe.mkdir(parents=True)
+    try:
+        record = probe / "record"
+        first = create_exclusive(record, b"a")
+        second = create_exclusive(record, b"b")
+        kept = record.read_bytes() == b"a"
+        (probe / "d1").mkdir()
+        (probe / "d1" / "f").write_bytes(b"1")
+        (probe / "d2").mkdir()
+        (probe / "d2" / "f").write_bytes(b"2")
+        try:
+            os.rename(probe / "d2", probe / "d1")
+            rename_refused = False
+        except OSError:
+            rename_refused = True
+        if not (first and not second and kept and rename_refused):
+            fstype = _filesystem_type(root)
+            raise FilesystemError(
+                f"the filesystem under {root} ({fstype}) does not refuse "
+                f"{'exclusive re-creation' if second or not kept else 'rename onto a non-empty folder'}; "
+                "mopd's crash-safe commit needs both. Put the store on a POSIX filesystem "
+                "(local disk, NFSv4, Lustre, GPFS)."
+            )
+    finally:
+        for folder, _dirs, files in os.walk(probe, topdown=False):
+            for name in files:
+                (Path(folder) / name).unlink()
+            Path(folder).rmdir()

@@ -1,0 +1,211 @@
+"""The public read API: `open_store(path) -> TeacherStore` (DESIGN §4). Readers trust only the manifest."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+
+from mopd.store.arrays import from_storage, open_array
+from mopd.store.errors import ManifestError, StoreIncompleteError, StoreIntegrityError
+from mopd.store.fsio import safe_join
+from mopd.store.manifest import MANIFEST_FILE, PARTS_DIR, PLAN_FILE, Manifest, TeacherEntry, load_manifest, load_plan
+
+
+@dataclass(frozen=True)
+class Row:
+    """One stored row. `loss_mask[t]` is 1 where the prediction made at position t (of token t+1) trains."""
+
+    input_ids: torch.Tensor  # [L] int64
+    loss_mask: torch.Tensor  # [L] bool
+    teacher_index: int
+
+
+def apply_logit_transform(logits: torch.Tensor, *, logit_scale: float | None,
+                          final_logit_softcap: float | None) -> torch.Tensor:
+    """softcap · tanh(scale · logits / softcap), with either part optional."""
+    if logit_scale is not None:
+        logits = logits * logit_scale
+    if final_logit_softcap is not None:
+        logits = torch.tanh(logits / final_logit_softcap) * final_logit_softcap
+    return logits
+
+
+def task_progress(root: Path) -> tuple[int, int]:
+    """(done, total) tasks of an unfinalized store, from its plan and part records."""
+    plan = load_plan(root / PLAN_FILE)
+    done = sum((root / PARTS_DIR / f"{task.task_id}.json").exists() for task in plan.tasks)
+    return done, len(plan.tasks)
+
+
+def read_manifest(root: Path) -> Manifest:
+    """The store's manifest; a missing one is reported with how many tasks are done.
+
+    Raises:
+        StoreIncompleteError: no manifest yet (message says done/total tasks and what to run).
+        ManifestError: not a store, or an unsupported format.
+    """
+    try:
+        return load_manifest(root / MANIFEST_FILE)
+    except FileNotFoundError:
+        pass
+    if not (root / PLAN_FILE).exists():
+        raise ManifestError(f"{root} is not a mopd store: it has no {MANIFEST_FILE} and no {PLAN_FILE}")
+    done, total = task_progress(root)
+    raise StoreIncompleteError(
+        f"{root} has no {MANIFEST_FILE}: {done} of {total} tasks are done; run `mopd precompute` again "
+        "with the same config to finish it (finished tasks are skipped)"
+    )
+
+
+class TeacherStore:
+    """A finalized teacher store, read-only.
+
+    Args:
+        root: the store folder.
+        zarr_store: optional zarr store to read through instead of the local folder (e.g. one that
+            counts or caches reads).
+    """
+
+    def __init__(self, root: str | Path, *, zarr_store: zarr.abc.store.Store | None = None) -> None:
+        self.root = Path(root)
+        self.manifest = read_manifest(self.root)
+        self._zarr_store = zarr_store
+        rows = self._array(self.manifest.rows.path, "offsets")
+        if rows.shape != (self.manifest.dataset.num_rows + 1,):
+            raise StoreIntegrityError(
+                f"{self.root}: rows/offsets has shape {rows.shape}, the manifest records "
+                f"{self.manifest.dataset.num_rows} rows"
+            )
+        self._offsets = rows[:].astype(np.int64)
+        self._teachers = {t.index: t for t in self.manifest.teachers}
+
+    def _array(self, folder: str, name: str = "") -> zarr.Array:
+        path = safe_join(self.root, folder)
+        if self._zarr_store is not None:
+            return zarr.open_array(self._zarr_store, path=f"{folder}/{name}".strip("/"), mode="r")
+        if not path.exists():
+            raise StoreIntegrityError(f"{path} is listed in the manifest but missing; run verify-manifest")
+        return open_array(path / name if name else path)
+
+    @property
+    def num_rows(self) -> int:
+        return self.manifest.dataset.num_rows
+
+    @property
+    def teachers(self) -> list[TeacherEntry]:
+        return list(self.manifest.teachers)
+
+    def teacher(self, teacher_index: int) -> TeacherEntry:
+        if teacher_index not in self._teachers:
+            raise ManifestError(
+                f"teacher {teacher_index} is not in the store (it has {sorted(self._teachers)})"
+            )
+        return self._teachers[teacher_index]
+
+    @cached_property
+    def _row_arrays(self) -> tuple[zarr.Array, zarr.Array, np.ndarray]:
+        path = self.manifest.rows.path
+        return self._array(path, "input_ids"), self._array(path, "loss_mask"), self._array(
+            path, "teacher_index")[:].astype(np.int64)
+
+    @property
+    def teacher_indices(self) -> np.ndarray:
+        """[R] teacher index of every row."""
+        return self._row_arrays[2]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """[R] token count of every row."""
+        return np.diff(self._offsets)
+
+    def _check_row(self, i: int) -> None:
+        if not 0 <= i < self.num_rows:
+            raise IndexError(f"row {i} out of range: the store has {self.num_rows} rows")
+
+    def row(self, i: int) -> Row:
+        self._check_row(i)
+        input_ids, loss_mask, teacher_index = self._row_arrays
+        start, stop = int(self._offsets[i]), int(self._offsets[i + 1])
+        return Row(
+            input_ids=torch.from_numpy(input_ids[start:stop].astype(np.int64)),
+            loss_mask=torch.from_numpy(loss_mask[start:stop].astype(bool)),
+            teacher_index=int(teacher_index[i]),
+        )
+
+    @cached_property
+    def _row_locations(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per row: which shard (index into manifest.shards) holds it, and its position there."""
+        shard_of = np.full(self.num_rows, -1, dtype=np.int64)
+        position = np.full(self.num_rows, -1, dtype=np.int64)
+        for k, shard in enumerate(self.manifest.shards):
+            row_ids = self._array(shard.path, "row_ids")[:].astype(np.int64)
+            shard_of[row_ids] = k
+            position[row_ids] = np.arange(row_ids.shape[0])
+        return shard_of, position
+
+    def hidden(self, i: int) -> torch.Tensor:
+        """The row's stored teacher hidden states, [L, H], in the stored logical dtype."""
+        self._check_row(i)
+        shard_of, position = self._row_locations
+        if shard_of[i] < 0:
+            raise StoreIntegrityError(f"row {i} is in no shard of the manifest")
+        shard = self.manifest.shards[int(shard_of[i])]
+        offsets = self._array(shard.path, "offsets")
+        p = int(position[i])
+        start, stop = (int(x) for x in offsets[p : p + 2])
+        hidden = self._array(shard.path, "hidden")
+        return from_storage(hidden[start:stop], hidden.attrs["logical_dtype"])
+
+    def lm_head(self, teacher_index: int, vocab_start: int = 0, vocab_stop: int | None = None) -> torch.Tensor:
+        """Rows [vocab_start, vocab_stop) of a teacher's LM head, [vocab_stop − vocab_start, H].
+
+        Reads only the chunks overlapping the slice. Rows past the vocabulary (a tensor-parallel
+        rank's padding) are returned as zeros.
+        """
+        entry = self.teacher(teacher_index)
+        vocab_stop = entry.vocab_size if vocab_stop is None else vocab_stop
+        if not 0 <= vocab_start <= vocab_stop:
+            raise ValueError(f"bad vocabulary slice [{vocab_start}, {vocab_stop})")
+        head = self._array(self.manifest.lm_heads[self._head_position(teacher_index)].path)
+        stored_stop = min(vocab_stop, entry.vocab_size)
+        part = from_storage(head[vocab_start:stored_stop] if vocab_start < stored_stop
+                            else np.zeros((0, entry.hidden_size), dtype=head.dtype), entry.dtype)
+        if stored_stop == vocab_stop:
+            return part
+        padding = torch.zeros(vocab_stop - max(stored_stop, vocab_start), entry.hidden_size, dtype=part.dtype)
+        return torch.cat([part, padding])
+
+    def _head_position(self, teacher_index: int) -> int:
+        return next(k for k, a in enumerate(self.manifest.lm_heads) if a.teacher == teacher_index)
+
+    def teacher_logits(self, i: int) -> torch.Tensor:
+        """The row's teacher logits rebuilt from its hidden states, transform applied, fp32 [L, V]."""
+        entry = self.teacher(self.row(i).teacher_index)
+        logits = self.hidden(i).float() @ self.lm_head(entry.index).float().T
+        return apply_logit_transform(logits, logit_scale=entry.logit_scale,
+                                     final_logit_softcap=entry.final_logit_softcap)
+
+    def compression_ratio(self) -> float:
+        """Logical bytes of all hidden states over the bytes their shards take on disk."""
+        itemsize = 2 if self.manifest.storage.hidden_dtype == "bfloat16" else 4
+        logical = sum(s.tokens * self._teachers[s.teacher or 0].hidden_size * itemsize
+                      for s in self.manifest.shards)
+        stored = sum(s.bytes for s in self.manifest.shards)
+        return logical / stored if stored else math.nan
+
+
+def open_store(path: str | Path, *, zarr_store: zarr.abc.store.Store | None = None) -> TeacherStore:
+    """Opens a finalized store for reading.
+
+    Raises:
+        StoreIncompleteError: the store has no manifest yet (says how many tasks are done).
+        ManifestError: not a store, unsupported format version or unknown required feature.
+        StoreIntegrityError: arrays disagree with the recorded shapes.
+    """
+    return TeacherStore(path, zarr_store=zarr_store)

@@ -1,0 +1,91 @@
+"""What each kind of task writes into its folder: rows, an LM head, a hidden-state shard."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from mopd.store.arrays import ChunkAppender, to_storage, torch_logical_dtype
+from mopd.store.writer import TaskOutput
+
+
+def write_rows(
+    output: TaskOutput,
+    *,
+    input_ids: Sequence[np.ndarray],
+    loss_mask: Sequence[np.ndarray],
+    teacher_index: np.ndarray,
+    source_keys: Sequence[str],
+) -> None:
+    """Writes every row's tokens, loss mask, teacher index and source key (ragged, packed end to end).
+
+    `loss_mask[t] = 1` means the prediction made at position t (of token t+1) is trained.
+    """
+    lengths = np.array([len(ids) for ids in input_ids], dtype=np.int64)
+    if any(len(m) != n for m, n in zip(loss_mask, lengths, strict=True)):
+        raise ValueError("every loss_mask must have its row's length")
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    flat_ids = np.concatenate(input_ids).astype(np.int32) if len(input_ids) else np.zeros(0, np.int32)
+    flat_mask = np.concatenate(loss_mask).astype(np.uint8) if len(loss_mask) else np.zeros(0, np.uint8)
+    output.write("input_ids", flat_ids)
+    output.write("loss_mask", flat_mask)
+    output.write("offsets", offsets)
+    output.write("teacher_index", np.asarray(teacher_index, dtype=np.int16))
+    output.write_strings("source_key", [str(key) for key in source_keys])
+    output.num_rows = int(lengths.shape[0])
+    output.num_tokens = int(offsets[-1])
+
+
+def write_lm_head(
+    output: TaskOutput,
+    head: torch.Tensor,
+    *,
+    logit_scale: float | None = None,
+    final_logit_softcap: float | None = None,
+) -> None:
+    """Writes a teacher's LM head [V, H], chunked along V so a tensor-parallel rank reads its slice."""
+    dtype = torch_logical_dtype(head.dtype)
+    vocab_size, hidden_size = head.shape
+    info = {"vocab_size": int(vocab_size), "hidden_size": int(hidden_size), "dtype": dtype,
+            "logit_scale": logit_scale, "final_logit_softcap": final_logit_softcap}
+    appender = output.appender("", shape=(vocab_size, hidden_size), dtype=dtype,
+                               attributes={**info, "padded_vocab_size": int(vocab_size)})
+    appender.append(to_storage(head, dtype))
+    output.info = info
+
+
+class HiddenShardWriter:
+    """Streams one shard's hidden states: rows in a fixed order, each exactly its own length."""
+
+    def __init__(self, output: TaskOutput, *, row_ids: np.ndarray, lengths: np.ndarray, hidden_size: int,
+                 dtype: str) -> None:
+        self._output = output
+        self._row_ids = np.asarray(row_ids, dtype=np.int64)
+        self._lengths = np.asarray(lengths, dtype=np.int64)
+        self._dtype = dtype
+        self._next = 0
+        total = int(self._lengths.sum())
+        self._hidden: ChunkAppender = output.appender("hidden", shape=(total, hidden_size), dtype=dtype)
+        output.num_rows = int(self._row_ids.shape[0])
+        output.num_tokens = total
+        output.info = {"hidden_size": hidden_size, "dtype": dtype}
+
+    def append(self, row_id: int, hidden: torch.Tensor) -> None:
+        """Adds the next row's hidden states [L, H]; rows must come in the declared order."""
+        if self._next >= self._row_ids.shape[0] or row_id != self._row_ids[self._next]:
+            expected = self._row_ids[self._next] if self._next < self._row_ids.shape[0] else "none"
+            raise ValueError(f"row {row_id} appended out of order (expected row {expected})")
+        if hidden.shape[0] != self._lengths[self._next]:
+            raise ValueError(f"row {row_id} has {hidden.shape[0]} hidden states, expected "
+                             f"{self._lengths[self._next]}")
+        self._hidden.append(to_storage(hidden, self._dtype))
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != self._row_ids.shape[0]:
+            raise ValueError(f"shard closed after {self._next} of {self._row_ids.shape[0]} rows")
+        offsets = np.concatenate([[0], np.cumsum(self._lengths)]).astype(np.int64)
+        self._output.write("offsets", offsets)
+        self._output.write("row_ids", self._row_ids)

@@ -1,0 +1,237 @@
+"""Writing a store: N jobs publish disjoint task folders, then one finalize (DESIGN §4).
+
+A task writes under `<final>.tmp-<uuid>`, fsyncs, renames onto its final name (which it never
+pre-creates) and only then creates its part record with no-clobber semantics. A job that finds a task's
+folder already published (a requeue, a duplicated array index) compares content instead of adopting
+blindly. Readers trust only the manifest, so a half-written task is never mistaken for a finished one.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mopd.store.arrays import ChunkAppender, create_array, write_array, write_strings
+from mopd.store.errors import ManifestError, StoreIntegrityError
+from mopd.store.finalize import build_manifest, publish_manifest
+from mopd.store.fsio import (
+    create_exclusive,
+    file_digests,
+    probe_filesystem,
+    publish_dir,
+    safe_join,
+    sha256_file,
+    unique_temp_name,
+    write_replace,
+)
+from mopd.store.manifest import (
+    MANIFEST_FILE,
+    PARTS_DIR,
+    PLAN_FILE,
+    Manifest,
+    PartRecord,
+    Plan,
+    TaskSpec,
+    artifact_hash,
+    canonical_json,
+    load_part,
+    load_plan,
+)
+
+_GROUP_JSON = canonical_json({"attributes": {}, "node_type": "group", "zarr_format": 3})
+
+
+class TaskOutput:
+    """The temporary folder of one running task and the arrays written into it."""
+
+    def __init__(self, spec: TaskSpec, folder: Path, storage_chunk_bytes: int, codec: str) -> None:
+        self.spec = spec
+        self.folder = folder
+        self.num_rows = 0
+        self.num_tokens = 0
+        self.info: dict[str, Any] = {}
+        self._chunk_bytes = storage_chunk_bytes
+        self._codec = codec
+        self._appenders: list[ChunkAppender] = []
+
+    def _array_path(self, name: str) -> Path:
+        # The lm_head task's folder is itself the array; other tasks hold named arrays in a group.
+        return self.folder if name == "" else self.folder / name
+
+    def appender(
+        self, name: str, *, shape: tuple[int, ...], dtype: str, attributes: dict[str, Any] | None = None,
+        codec: str | None = None,
+    ) -> ChunkAppender:
+        """Creates array `name` (`""` for the folder itself) and returns its streaming writer."""
+        path = self._array_path(name)
+        create_array(path, shape=shape, dtype=dtype, chunk_bytes=self._chunk_bytes,
+                     codec=codec or self._codec, attributes=attributes)
+        appender = ChunkAppender(path, total_rows=shape[0])
+        self._appenders.append(appender)
+        return appender
+
+    def write(self, name: str, data: np.ndarray, *, dtype: str | None = None,
+              attributes: dict[str, Any] | None = None, codec: str | None = None) -> None:
+        """Creates array `name` holding `data` (small arrays; big ones use `appender`)."""
+        write_array(self._array_path(name), data, logical_dtype=dtype, chunk_bytes=self._chunk_bytes,
+                    codec=codec or self._codec, attributes=attributes)
+
+    def write_strings(self, name: str, values: list[str]) -> None:
+        write_strings(self._array_path(name), values)
+
+    def close(self) -> None:
+        for appender in self._appenders:
+            appender.close()
+
+
+class StoreWriter:
+    """A store opened for writing by one job; several jobs may hold one on the same store at once."""
+
+    def __init__(self, root: Path, plan: Plan) -> None:
+        self.root = root
+        self.plan = plan
+        self.identity = plan.identity()
+        self._tasks = {task.task_id: task for task in plan.tasks}
+
+    @classmethod
+    def open(cls, root: str | Path, plan: Plan) -> StoreWriter:
+        """Creates the store, or joins it if it was created with the same plan.
+
+        Raises:
+            ManifestError: the path holds a store of another dataset, teacher set or config.
+            FilesystemError: the filesystem cannot give the commit protocol's guarantees.
+        """
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        probe_filesystem(root)
+        writer = cls(root, plan)
+        plan_path = root / PLAN_FILE
+        if not create_exclusive(plan_path, canonical_json(plan.model_dump(mode="json"))):
+            existing = load_plan(plan_path)
+            if existing.identity() != writer.identity:
+                raise ManifestError(_describe_plan_mismatch(root, existing, plan))
+        (root / PARTS_DIR).mkdir(exist_ok=True)
+        writer._create_groups()
+        return writer
+
+    def _create_groups(self) -> None:
+        # Every version of a group's zarr.json is identical, so concurrent jobs may each write it.
+        folders = {Path(".")}
+        for task in self.plan.tasks:
+            folders.update(Path(task.path).parents)
+            if task.kind != "lm_head":
+                folders.add(Path(task.path))
+        for folder in sorted(folders - {Path(task.path) for task in self.plan.tasks}):
+            target = self.root / folder
+            target.mkdir(parents=True, exist_ok=True)
+            if not (target / "zarr.json").exists():
+                write_replace(target / "zarr.json", _GROUP_JSON)
+
+    def part_path(self, task_id: str) -> Path:
+        return self.root / PARTS_DIR / f"{task_id}.json"
+
+    def done_tasks(self) -> set[str]:
+        """Ids of tasks whose part record exists (each checked to belong to this plan)."""
+        done = set()
+        for task_id in self._tasks:
+            path = self.part_path(task_id)
+            if path.exists():
+                self._check_part(load_part(path), path)
+                done.add(task_id)
+        return done
+
+    def _check_part(self, part: PartRecord, path: Path) -> None:
+        if part.identity != self.identity:
+            raise ManifestError(
+                f"{path} was written for another plan (identity {part.identity[:12]}, this job's is "
+                f"{self.identity[:12]}); the store at {self.root} belongs to a different run"
+            )
+
+    @contextmanager
+    def task(self, task_id: str) -> Iterator[TaskOutput]:
+        """Runs one task: yields its temporary output; on success publishes it and records the part.
+
+        On an exception the temporary folder (owned by this call alone) is removed and nothing is
+        published.
+        """
+        spec = self._tasks[task_id]
+        final = safe_join(self.root, spec.path)
+        temp = unique_temp_name(final)
+        temp.mkdir(parents=True)
+        output = TaskOutput(spec, temp, self.plan.storage.chunk_bytes, self.plan.storage.codec)
+        try:
+            yield output
+            output.close()
+            if spec.kind != "lm_head":
+                (temp / "zarr.json").write_bytes(_GROUP_JSON)
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+        self._publish(output, final)
+
+    def _publish(self, output: TaskOutput, final: Path) -> None:
+        spec, temp = output.spec, output.folder
+        files = file_digests(temp)
+        if not publish_dir(temp, final):
+            # Another job published this task first. Same bytes: adopt its folder. Otherwise refuse,
+            # and leave both folders for a person to inspect (never clean up on doubt).
+            theirs = file_digests(final)
+            if theirs != files:
+                raise StoreIntegrityError(
+                    f"task {spec.task_id}: {final} is already published with different content than this "
+                    f"job computed (left {temp} for inspection); if no other job is writing this store, "
+                    "remove both and rerun"
+                )
+            shutil.rmtree(temp)
+        part = PartRecord(
+            task_id=spec.task_id, identity=self.identity, kind=spec.kind, path=spec.path,
+            teacher=spec.teacher, shard=spec.shard, num_rows=output.num_rows, num_tokens=output.num_tokens,
+            bytes=sum(size for size, _ in files.values()), hash=artifact_hash(files), files=files,
+            info=output.info,
+        )
+        path = self.part_path(spec.task_id)
+        if not create_exclusive(path, canonical_json(part.model_dump(mode="json"))):
+            existing = load_part(path)
+            self._check_part(existing, path)
+            if existing.hash != part.hash:
+                raise StoreIntegrityError(f"{path} records hash {existing.hash}, this job wrote {part.hash}")
+
+    def finalize(self, *, created_by: str, volatile: Mapping[str, Any]) -> Manifest | None:
+        """Writes the manifest if every task is done; returns it, or None while tasks remain.
+
+        Raises:
+            StoreIntegrityError: rows are covered twice or not at all, or another manifest exists.
+        """
+        if self.done_tasks() != set(self._tasks):
+            return None
+        parts = {task_id: load_part(self.part_path(task_id)) for task_id in self._tasks}
+        part_hashes = {task_id: sha256_file(self.part_path(task_id)) for task_id in self._tasks}
+        manifest = build_manifest(self.root, self.plan, parts, part_hashes, created_by=created_by,
+                                  volatile=volatile)
+        return publish_manifest(self.root / MANIFEST_FILE, manifest)
+
+
+def _describe_plan_mismatch(root: Path, existing: Plan, new: Plan) -> str:
+    differences = []
+    if existing.dataset != new.dataset:
+        differences.append(f"dataset {existing.dataset.source} ({existing.dataset.num_rows} rows) vs "
+                           f"{new.dataset.source} ({new.dataset.num_rows} rows)")
+    old_teachers = [(t.checkpoint, t.fingerprint) for t in existing.teachers]
+    new_teachers = [(t.checkpoint, t.fingerprint) for t in new.teachers]
+    if old_teachers != new_teachers:
+        differences.append(f"teachers {[c for c, _ in old_teachers]} vs {[c for c, _ in new_teachers]}")
+    if existing.storage != new.storage or existing.config != new.config:
+        differences.append("precompute or storage settings")
+    if existing.tokenizer != new.tokenizer:
+        differences.append("tokenizer")
+    if existing.tasks != new.tasks and not differences:
+        differences.append("task split")
+    return (
+        f"{root} already holds a store of a different run ({'; '.join(differences) or 'plan'}); "
+        "choose another store.path or delete the old store"
+    )

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.store.synthetic import StoreSpec, build_store, make_checkpoint
+
+
+@pytest.fixture
+def teacher_checkpoints(tmp_path: Path) -> dict[str, Path]:
+    """Three checkpoints with one vocabulary and different hidden sizes."""
+    return {
+        "math": make_checkpoint(tmp_path / "ckpt" / "math-teacher", hidden_size=48, seed=1),
+        "code": make_checkpoint(tmp_path / "ckpt" / "code-teacher", hidden_size=64, seed=2),
+        "chat": make_checkpoint(tmp_path / "ckpt" / "chat-teacher", hidden_size=32, seed=3, tied=True),
+    }
+
+
+@pytest.fixture
+def small_spec(tmp_path: Path, teacher_checkpoints: dict[str, Path]) -> StoreSpec:
+    """4 aliases over 3 checkpoints, 14 short rows of mixed agents."""
+    ckpt = {name: str(path.resolve()) for name, path in teacher_checkpoints.items()}
+    agents = ["math", "code", "chat", "reasoning", "math", "code", "math", "chat", "reasoning", "code",
+              "math", "math", "chat", "code"]
+    return StoreSpec(
+        root=str(tmp_path / "store.zarr"),
+        teachers={"math": ckpt["math"], "code": ckpt["code"], "chat": ckpt["chat"], "reasoning": ckpt["math"]},
+        hidden_sizes={ckpt["math"]: 48, ckpt["code"]: 64, ckpt["chat"]: 32},
+        agents=agents,
+        lengths=[(7 * i) % 23 + 1 for i in range(len(agents))],
+    )
+
+
+@pytest.fixture
+def small_store(small_spec: StoreSpec) -> StoreSpec:
+    build_store(small_spec)
+    return small_spec

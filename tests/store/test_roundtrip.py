@@ -1,0 +1,116 @@
+"""Acceptance: ragged rows of several teachers read back bit-exact; LM-head slices read only their chunks."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from mopd.store import open_store
+from tests.store.synthetic import VOCAB_SIZE, StoreSpec, build_store, head_for, hidden_for, tokens_for
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_ragged_rows_round_trip_bit_exact(small_spec: StoreSpec, dtype: str) -> None:
+    rng = np.random.default_rng(0)
+    num_rows = 24
+    lengths = [1, 4096, *rng.integers(1, 4097, size=num_rows - 2).tolist()]
+    agents = [["math", "code", "chat", "reasoning"][i % 4] for i in range(num_rows)]
+    spec = dataclasses.replace(small_spec, lengths=lengths, agents=agents, dtype=dtype, rows_per_task=5,
+                               chunk_bytes=1 << 18)
+    build_store(spec)
+    store = open_store(spec.root)
+    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    assert store.num_rows == num_rows
+    assert store.manifest.dataset.num_tokens == sum(lengths)
+    aliases = {t.index: t.aliases for t in store.manifest.teachers}
+    assert sorted(map(tuple, aliases.values())) == [("chat",), ("code",), ("math", "reasoning")]
+    seen_teachers = set()
+    for i, (length, agent) in enumerate(zip(lengths, agents, strict=True)):
+        row = store.row(i)
+        assert agent in aliases[row.teacher_index]
+        seen_teachers.add(row.teacher_index)
+        assert torch.equal(row.input_ids, torch.from_numpy(tokens_for(i, length)))
+        assert torch.equal(row.loss_mask, torch.from_numpy(np.arange(length) % 3 != 0))
+        hidden = store.hidden(i)
+        teacher = store.teacher(row.teacher_index)
+        expected = hidden_for(i, row.teacher_index, length, teacher.hidden_size, torch_dtype)
+        assert hidden.dtype == torch_dtype and hidden.shape == (length, teacher.hidden_size)
+        # Bit-exact: compare the raw bit patterns, not values.
+        assert torch.equal(hidden.view(torch.int16 if dtype == "bfloat16" else torch.int32),
+                           expected.view(torch.int16 if dtype == "bfloat16" else torch.int32))
+    assert seen_teachers == {0, 1, 2}
+    for teacher in store.manifest.teachers:
+        head = head_for(teacher.index, VOCAB_SIZE, teacher.hidden_size, torch_dtype)
+        assert torch.equal(store.lm_head(teacher.index), head)
+    # Nothing padded: each shard holds exactly its rows' tokens.
+    for shard in store.manifest.shards:
+        rows = store._array(shard.path, "row_ids")[:]
+        assert shard.tokens == sum(lengths[r] for r in rows)
+
+
+def test_teacher_logits_rebuild(small_store: StoreSpec) -> None:
+    store = open_store(small_store.root)
+    for i in range(store.num_rows):
+        row = store.row(i)
+        teacher = store.teacher(row.teacher_index)
+        hidden = hidden_for(i, teacher.index, len(row.input_ids), teacher.hidden_size, torch.float32)
+        expected = hidden @ head_for(teacher.index, VOCAB_SIZE, teacher.hidden_size, torch.float32).T
+        assert torch.equal(store.teacher_logits(i), expected)
+
+
+def test_softcap_transform_applied(small_spec: StoreSpec) -> None:
+    math_ckpt = small_spec.teachers["math"]
+    spec = dataclasses.replace(small_spec, softcaps={math_ckpt: 5.0})
+    build_store(spec)
+    store = open_store(spec.root)
+    teacher = next(t for t in store.manifest.teachers if t.checkpoint == math_ckpt)
+    assert teacher.final_logit_softcap == 5.0
+    i = next(i for i in range(store.num_rows) if store.row(i).teacher_index == teacher.index)
+    raw = store.hidden(i).float() @ store.lm_head(teacher.index).float().T
+    logits = store.teacher_logits(i)
+    assert torch.allclose(logits, 5.0 * torch.tanh(raw / 5.0))
+    assert logits.abs().max() < 5.0 < raw.abs().max()
+
+
+class _CountingStore(zarr.storage.LocalStore):
+    """A LocalStore that records which chunk keys were read."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, read_only=True)
+        self.reads: list[str] = []
+
+    async def get(self, key, prototype, byte_range=None):  # type: ignore[no-untyped-def, override]
+        self.reads.append(key)
+        return await super().get(key, prototype, byte_range)
+
+
+def test_lm_head_slice_reads_only_overlapping_chunks(small_spec: StoreSpec) -> None:
+    # 48 hidden × 4 bytes × 16 rows = 3072 bytes per chunk → 300 rows in 19 chunks of 16 rows.
+    spec = dataclasses.replace(small_spec, chunk_bytes=48 * 4 * 16)
+    build_store(spec)
+    counting = _CountingStore(Path(spec.root))
+    store = open_store(spec.root, zarr_store=counting)
+    math = next(t for t in store.manifest.teachers if "math" in t.aliases)
+    head_path = store.manifest.lm_heads[math.index].path
+    full = head_for(math.index, VOCAB_SIZE, math.hidden_size, torch.float32)
+    for start, stop in [(0, 16), (15, 17), (40, 100), (290, 300), (100, 100)]:
+        counting.reads.clear()
+        got = store.lm_head(math.index, start, stop)
+        assert torch.equal(got, full[start:stop])
+        chunk_reads = sorted(k for k in counting.reads if k.startswith(f"{head_path}/c/"))
+        expected = [f"{head_path}/c/{c}/0" for c in range(start // 16, -(-stop // 16))] if stop > start else []
+        assert sorted(chunk_reads) == sorted(expected), (start, stop)
+
+
+def test_lm_head_slice_past_vocabulary_is_zero_padding(small_store: StoreSpec) -> None:
+    store = open_store(small_store.root)
+    head = store.lm_head(0, VOCAB_SIZE - 4, VOCAB_SIZE + 6)
+    assert head.shape == (10, store.teacher(0).hidden_size)
+    assert torch.equal(head[:4], store.lm_head(0)[-4:])
+    assert not head[4:].any()
