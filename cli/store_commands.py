@@ -17,14 +17,22 @@ from mopd.store.verify import verify_store
 
 @click.command("verify-manifest")
 @click.argument("store", type=click.Path(path_type=Path))
-@click.option("--config", "config_path", type=click.Path(path_type=Path),
-              help="Also check that this config numbers the teachers as the store does.")
-@click.option("--checkpoint", type=click.Path(path_type=Path),
-              help="Also check the teacher list recorded in this training checkpoint.")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    help="Also check that this config numbers the teachers as the store does.",
+)
+@click.option(
+    "--checkpoint",
+    type=click.Path(path_type=Path),
+    help="Also check the teacher list recorded in this training checkpoint.",
+)
 @click.option("--full", is_flag=True, help="Re-hash every byte (default: sizes and shapes only).")
 @click.option("--json", "as_json", is_flag=True, help="Print the problems as a JSON list.")
-def verify_manifest_command(store: Path, config_path: Path | None, checkpoint: Path | None, full: bool,
-                            as_json: bool) -> None:
+def verify_manifest_command(
+    store: Path, config_path: Path | None, checkpoint: Path | None, full: bool, as_json: bool
+) -> None:
     """Prove that STORE is complete and unchanged, and agrees with a config and a checkpoint.
 
     Reports every problem, one per line (exit 1), or nothing (exit 0). Never writes to STORE.
@@ -59,14 +67,34 @@ def inspect_command(store: Path) -> None:
     summary = summarise_store(store)
     console = Console()
     table = Table(title=f"{summary.path}  (format v{summary.format_version}, {summary.created_by})")
-    for column in ("index", "aliases", "checkpoint", "fingerprint", "hidden", "vocab", "rows", "tokens",
-                   "stored", "as fp32 logits"):
-        table.add_column(column, justify="right" if column in {"index", "hidden", "vocab", "rows",
-                                                               "tokens"} else "left")
+    for column in (
+        "index",
+        "aliases",
+        "checkpoint",
+        "fingerprint",
+        "hidden",
+        "vocab",
+        "rows",
+        "tokens",
+        "stored",
+        "as fp32 logits",
+    ):
+        table.add_column(
+            column, justify="right" if column in {"index", "hidden", "vocab", "rows", "tokens"} else "left"
+        )
     for t in summary.teachers:
-        table.add_row(str(t.index), ", ".join(t.aliases), t.checkpoint, t.fingerprint[:12], str(t.hidden_size),
-                      str(t.vocab_size), str(t.rows), str(t.tokens), _size(t.stored_bytes),
-                      _size(t.full_logit_bytes))
+        table.add_row(
+            str(t.index),
+            ", ".join(t.aliases),
+            t.checkpoint,
+            t.fingerprint[:12],
+            str(t.hidden_size),
+            str(t.vocab_size),
+            str(t.rows),
+            str(t.tokens),
+            _size(t.stored_bytes),
+            _size(t.full_logit_bytes),
+        )
     console.print(table)
     console.print(
         f"{summary.rows} rows, {summary.tokens} tokens; hidden states {summary.hidden_dtype}, codec "

@@ -17,6 +17,7 @@ import numpy as np
 import tensorstore as ts
 import torch
 import zarr
+from zarr.abc.store import Store
 from zarr.codecs import BloscCodec
 
 CODECS = ("shuffle-zstd1", "none")
@@ -24,13 +25,15 @@ CODECS = ("shuffle-zstd1", "none")
 # byte-shuffled bf16 hidden states allow (the default 256 KiB gave 1.24x on the same data).
 _BLOSC_BLOCK_BYTES = 1 << 20
 _MAX_WRITES_IN_FLIGHT = 4
-_STORAGE_DTYPE = {"bfloat16": np.dtype("uint16"), "float32": np.dtype("float32")}
+_STORAGE_DTYPE: dict[str, np.dtype] = {"bfloat16": np.dtype("uint16"), "float32": np.dtype("float32")}
 _TS_CONTEXT = ts.Context()
 
 
 def storage_dtype(logical_dtype: str) -> np.dtype:
     """The numpy dtype that holds `logical_dtype` on disk ('bfloat16' → uint16 bit patterns)."""
-    return _STORAGE_DTYPE.get(logical_dtype, np.dtype(logical_dtype))
+    if logical_dtype in _STORAGE_DTYPE:
+        return _STORAGE_DTYPE[logical_dtype]
+    return np.dtype(logical_dtype)
 
 
 def torch_logical_dtype(dtype: torch.dtype) -> str:
@@ -85,15 +88,28 @@ def create_array(
     row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np_dtype.itemsize
     chunks = (min(chunk_rows(row_bytes, chunk_bytes), max(1, shape[0])), *shape[1:])
     compressors = (
-        [BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=np_dtype.itemsize,
-                    blocksize=_BLOSC_BLOCK_BYTES)]
+        [
+            BloscCodec(
+                cname="zstd",
+                clevel=1,
+                shuffle="shuffle",
+                typesize=np_dtype.itemsize,
+                blocksize=_BLOSC_BLOCK_BYTES,
+            )
+        ]
         if codec == "shuffle-zstd1"
         else None
     )
     attrs = {"logical_dtype": dtype if dtype in _STORAGE_DTYPE else np_dtype.name, **(attributes or {})}
     return zarr.create_array(
-        zarr.storage.LocalStore(path), shape=shape, chunks=chunks, dtype=np_dtype,
-        compressors=compressors, fill_value=0, attributes=attrs, zarr_format=3,
+        zarr.storage.LocalStore(path),
+        shape=shape,
+        chunks=chunks,
+        dtype=np_dtype,
+        compressors=compressors,
+        fill_value=0,
+        attributes=attrs,
+        zarr_format=3,
     )
 
 
@@ -155,12 +171,23 @@ class ChunkAppender:
 
 
 def write_array(
-    path: Path, data: np.ndarray, *, logical_dtype: str | None = None, chunk_bytes: int, codec: str,
+    path: Path,
+    data: np.ndarray,
+    *,
+    logical_dtype: str | None = None,
+    chunk_bytes: int,
+    codec: str,
     attributes: dict[str, Any] | None = None,
 ) -> None:
     """Creates an array at `path` and writes `data` into it."""
-    create_array(path, shape=data.shape, dtype=logical_dtype or data.dtype.name, chunk_bytes=chunk_bytes,
-                 codec=codec, attributes=attributes)
+    create_array(
+        path,
+        shape=data.shape,
+        dtype=logical_dtype or data.dtype.name,
+        chunk_bytes=chunk_bytes,
+        codec=codec,
+        attributes=attributes,
+    )
     appender = ChunkAppender(path, total_rows=data.shape[0])
     appender.append(data)
     appender.close()
@@ -168,13 +195,24 @@ def write_array(
 
 def write_strings(path: Path, values: list[str]) -> None:
     """A 1-d array of variable-length UTF-8 strings (zarr-python; small provenance columns only)."""
-    array = zarr.create_array(zarr.storage.LocalStore(path), shape=(len(values),),
-                              chunks=(max(1, min(len(values), 65536)),), dtype=str, zarr_format=3)
+    array = zarr.create_array(
+        zarr.storage.LocalStore(path),
+        shape=(len(values),),
+        chunks=(max(1, min(len(values), 65536)),),
+        dtype=str,
+        zarr_format=3,
+    )
     if values:
         array[:] = np.array(values, dtype=object)
 
 
-def open_array(path: Path, store: zarr.abc.store.Store | None = None) -> zarr.Array:
+def read_rows(array: zarr.Array, start: int | None = None, stop: int | None = None) -> np.ndarray:
+    """Rows [start, stop) of an array as numpy (reads only the chunks that overlap them)."""
+    return np.asarray(array[start:stop])
+
+
+def open_array(path: Path, store: Store | None = None) -> zarr.Array:
     """Opens an array read-only with zarr-python."""
-    return zarr.open_array(store if store is not None else zarr.storage.LocalStore(path, read_only=True),
-                           mode="r")
+    return zarr.open_array(
+        store if store is not None else zarr.storage.LocalStore(path, read_only=True), mode="r"
+    )

@@ -154,7 +154,7 @@ def load_yaml(path: str | Path) -> Any:
     except OSError as err:
         raise ConfigError(f"cannot read config {path}: {err.strerror}") from err
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(text, Loader=_UniqueKeyLoader)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from err
     except yaml.YAMLError as err:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from mopd.store.arrays import open_array
+from mopd.store.arrays import open_array, read_rows
 from mopd.store.errors import StoreIntegrityError
 from mopd.store.fsio import create_exclusive, safe_join
 from mopd.store.manifest import (
@@ -31,7 +31,7 @@ def check_coverage(root: Path, plan: Plan, parts: Mapping[str, PartRecord]) -> N
         StoreIntegrityError: naming the teacher and the first rows missing or stored twice.
     """
     rows_task = next(t for t in plan.tasks if t.kind == "rows")
-    teacher_index = open_array(safe_join(root, rows_task.path) / "teacher_index")[:]
+    teacher_index = read_rows(open_array(safe_join(root, rows_task.path) / "teacher_index"))
     if teacher_index.shape[0] != plan.dataset.num_rows:
         raise StoreIntegrityError(
             f"rows hold {teacher_index.shape[0]} rows, the plan has {plan.dataset.num_rows}"
@@ -42,11 +42,13 @@ def check_coverage(root: Path, plan: Plan, parts: Mapping[str, PartRecord]) -> N
         for task in plan.tasks:
             if task.kind != "hidden" or task.teacher != teacher.index:
                 continue
-            row_ids = open_array(safe_join(root, task.path) / "row_ids")[:]
+            row_ids = read_rows(open_array(safe_join(root, task.path) / "row_ids"))
             outside = row_ids[(row_ids < task.row_start) | (row_ids >= task.row_stop)]
             if outside.size:
-                raise StoreIntegrityError(f"task {task.task_id} stores rows {outside[:5].tolist()} "
-                                          f"outside its range [{task.row_start}, {task.row_stop})")
+                raise StoreIntegrityError(
+                    f"task {task.task_id} stores rows {outside[:5].tolist()} "
+                    f"outside its range [{task.row_start}, {task.row_stop})"
+                )
             if row_ids.shape[0] != parts[task.task_id].num_rows:
                 raise StoreIntegrityError(f"task {task.task_id}: part record and row_ids disagree")
             stored.append(row_ids)
@@ -64,8 +66,16 @@ def check_coverage(root: Path, plan: Plan, parts: Mapping[str, PartRecord]) -> N
 
 def _artifact(part: PartRecord, part_sha256: str) -> ArtifactRecord:
     return ArtifactRecord(
-        task_id=part.task_id, kind=part.kind, path=part.path, teacher=part.teacher, shard=part.shard,
-        rows=part.num_rows, tokens=part.num_tokens, bytes=part.bytes, hash=part.hash, part_sha256=part_sha256,
+        task_id=part.task_id,
+        kind=part.kind,
+        path=part.path,
+        teacher=part.teacher,
+        shard=part.shard,
+        rows=part.num_rows,
+        tokens=part.num_tokens,
+        bytes=part.bytes,
+        hash=part.hash,
+        part_sha256=part_sha256,
     )
 
 
@@ -86,12 +96,20 @@ def build_manifest(
     heads = {part.teacher: part.info for part in parts.values() if part.kind == "lm_head"}
     teachers = [TeacherEntry(**teacher.model_dump(), **heads[teacher.index]) for teacher in plan.teachers]
     return Manifest(
-        format=FORMAT, format_version=FORMAT_VERSION, required_features=[], created_by=created_by,
-        identity=plan.identity(), tokenizer=plan.tokenizer, dataset=plan.dataset, teachers=teachers,
-        storage=plan.storage, rows=by_kind["rows"][0],
+        format=FORMAT,
+        format_version=FORMAT_VERSION,
+        required_features=[],
+        created_by=created_by,
+        identity=plan.identity(),
+        tokenizer=plan.tokenizer,
+        dataset=plan.dataset,
+        teachers=teachers,
+        storage=plan.storage,
+        rows=by_kind["rows"][0],
         lm_heads=sorted(by_kind["lm_head"], key=lambda a: a.teacher or 0),
         shards=sorted(by_kind["hidden"], key=lambda a: (a.teacher or 0, a.shard or 0)),
-        config=plan.config, volatile=dict(volatile),
+        config=plan.config,
+        volatile=dict(volatile),
     )
 
 

@@ -64,7 +64,7 @@ def _safetensors_files(folder: Path) -> dict[str, Path]:
     if not single.exists():
         raise ConfigError(
             f"{folder} has no model.safetensors or model.safetensors.index.json; "
-            "mopd reads checkpoints in safetensors format (save with save_pretrained(safe_serialization=True))"
+            "mopd reads checkpoints in safetensors format (save them with save_pretrained)"
         )
     return {name: single for name in _safetensors_header(single)[0] if name != "__metadata__"}
 
@@ -80,7 +80,9 @@ def lm_head_tensor_name(checkpoint: str | Path) -> str:
     folder = Path(checkpoint)
     names = _safetensors_files(folder)
     tied = bool(_read_json(folder / "config.json").get("tie_word_embeddings", False))
-    candidates = (*_EMBEDDING_NAMES, *_UNTIED_HEAD_NAMES) if tied else (*_UNTIED_HEAD_NAMES, *_EMBEDDING_NAMES)
+    candidates = (
+        (*_EMBEDDING_NAMES, *_UNTIED_HEAD_NAMES) if tied else (*_UNTIED_HEAD_NAMES, *_EMBEDDING_NAMES)
+    )
     for name in candidates:
         if name in names:
             return name

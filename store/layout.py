@@ -27,19 +27,38 @@ def plan_tasks(teacher_index: np.ndarray, *, num_teachers: int, rows_per_task: i
     """
     if rows_per_task <= 0:
         raise ValueError(f"rows_per_task must be positive, got {rows_per_task}")
-    tasks = [TaskSpec(task_id=ROWS_TASK_ID, kind="rows", path=ROWS_PATH, row_start=0,
-                      row_stop=int(teacher_index.shape[0]))]
+    tasks = [
+        TaskSpec(
+            task_id=ROWS_TASK_ID,
+            kind="rows",
+            path=ROWS_PATH,
+            row_start=0,
+            row_stop=int(teacher_index.shape[0]),
+        )
+    ]
     for teacher in range(num_teachers):
-        tasks.append(TaskSpec(task_id=f"teacher_{teacher:03d}_lm_head", kind="lm_head",
-                              path=lm_head_path(teacher), teacher=teacher))
+        tasks.append(
+            TaskSpec(
+                task_id=f"teacher_{teacher:03d}_lm_head",
+                kind="lm_head",
+                path=lm_head_path(teacher),
+                teacher=teacher,
+            )
+        )
         rows = np.flatnonzero(teacher_index == teacher)
         for shard, start in enumerate(range(0, rows.shape[0], rows_per_task)):
             block = rows[start : start + rows_per_task]
-            tasks.append(TaskSpec(
-                task_id=f"teacher_{teacher:03d}_shard_{shard:06d}", kind="hidden",
-                path=shard_path(teacher, shard), teacher=teacher, shard=shard,
-                row_start=int(block[0]), row_stop=int(block[-1]) + 1,
-            ))
+            tasks.append(
+                TaskSpec(
+                    task_id=f"teacher_{teacher:03d}_shard_{shard:06d}",
+                    kind="hidden",
+                    path=shard_path(teacher, shard),
+                    teacher=teacher,
+                    shard=shard,
+                    row_start=int(block[0]),
+                    row_stop=int(block[-1]) + 1,
+                )
+            )
     return tasks
 
 

@@ -210,7 +210,8 @@ def load_manifest(path: Path) -> Manifest:
     try:
         return Manifest.model_validate(raw)
     except ValidationError as err:
-        raise ManifestError(f"{path}: malformed manifest: {err.errors()[0]['loc']}: {err.errors()[0]['msg']}")
+        first = err.errors()[0]
+        raise ManifestError(f"{path}: malformed manifest: {first['loc']}: {first['msg']}") from err
 
 
 def load_plan(path: Path) -> Plan:

@@ -10,11 +10,20 @@ from pathlib import Path
 import numpy as np
 import torch
 import zarr
+from zarr.abc.store import Store
 
-from mopd.store.arrays import from_storage, open_array
+from mopd.store.arrays import from_storage, open_array, read_rows
 from mopd.store.errors import ManifestError, StoreIncompleteError, StoreIntegrityError
 from mopd.store.fsio import safe_join
-from mopd.store.manifest import MANIFEST_FILE, PARTS_DIR, PLAN_FILE, Manifest, TeacherEntry, load_manifest, load_plan
+from mopd.store.manifest import (
+    MANIFEST_FILE,
+    PARTS_DIR,
+    PLAN_FILE,
+    Manifest,
+    TeacherEntry,
+    load_manifest,
+    load_plan,
+)
 
 
 @dataclass(frozen=True)
@@ -26,8 +35,9 @@ class Row:
     teacher_index: int
 
 
-def apply_logit_transform(logits: torch.Tensor, *, logit_scale: float | None,
-                          final_logit_softcap: float | None) -> torch.Tensor:
+def apply_logit_transform(
+    logits: torch.Tensor, *, logit_scale: float | None, final_logit_softcap: float | None
+) -> torch.Tensor:
     """softcap · tanh(scale · logits / softcap), with either part optional."""
     if logit_scale is not None:
         logits = logits * logit_scale
@@ -72,7 +82,7 @@ class TeacherStore:
             counts or caches reads).
     """
 
-    def __init__(self, root: str | Path, *, zarr_store: zarr.abc.store.Store | None = None) -> None:
+    def __init__(self, root: str | Path, *, zarr_store: Store | None = None) -> None:
         self.root = Path(root)
         self.manifest = read_manifest(self.root)
         self._zarr_store = zarr_store
@@ -82,7 +92,7 @@ class TeacherStore:
                 f"{self.root}: rows/offsets has shape {rows.shape}, the manifest records "
                 f"{self.manifest.dataset.num_rows} rows"
             )
-        self._offsets = rows[:].astype(np.int64)
+        self._offsets = read_rows(rows).astype(np.int64)
         self._teachers = {t.index: t for t in self.manifest.teachers}
 
     def _array(self, folder: str, name: str = "") -> zarr.Array:
@@ -111,8 +121,11 @@ class TeacherStore:
     @cached_property
     def _row_arrays(self) -> tuple[zarr.Array, zarr.Array, np.ndarray]:
         path = self.manifest.rows.path
-        return self._array(path, "input_ids"), self._array(path, "loss_mask"), self._array(
-            path, "teacher_index")[:].astype(np.int64)
+        return (
+            self._array(path, "input_ids"),
+            self._array(path, "loss_mask"),
+            read_rows(self._array(path, "teacher_index")).astype(np.int64),
+        )
 
     @property
     def teacher_indices(self) -> np.ndarray:
@@ -133,8 +146,8 @@ class TeacherStore:
         input_ids, loss_mask, teacher_index = self._row_arrays
         start, stop = int(self._offsets[i]), int(self._offsets[i + 1])
         return Row(
-            input_ids=torch.from_numpy(input_ids[start:stop].astype(np.int64)),
-            loss_mask=torch.from_numpy(loss_mask[start:stop].astype(bool)),
+            input_ids=torch.from_numpy(read_rows(input_ids, start, stop).astype(np.int64)),
+            loss_mask=torch.from_numpy(read_rows(loss_mask, start, stop).astype(bool)),
             teacher_index=int(teacher_index[i]),
         )
 
@@ -144,7 +157,7 @@ class TeacherStore:
         shard_of = np.full(self.num_rows, -1, dtype=np.int64)
         position = np.full(self.num_rows, -1, dtype=np.int64)
         for k, shard in enumerate(self.manifest.shards):
-            row_ids = self._array(shard.path, "row_ids")[:].astype(np.int64)
+            row_ids = read_rows(self._array(shard.path, "row_ids")).astype(np.int64)
             shard_of[row_ids] = k
             position[row_ids] = np.arange(row_ids.shape[0])
         return shard_of, position
@@ -158,11 +171,13 @@ class TeacherStore:
         shard = self.manifest.shards[int(shard_of[i])]
         offsets = self._array(shard.path, "offsets")
         p = int(position[i])
-        start, stop = (int(x) for x in offsets[p : p + 2])
+        start, stop = (int(x) for x in read_rows(offsets, p, p + 2))
         hidden = self._array(shard.path, "hidden")
-        return from_storage(hidden[start:stop], hidden.attrs["logical_dtype"])
+        return from_storage(read_rows(hidden, start, stop), str(hidden.attrs["logical_dtype"]))
 
-    def lm_head(self, teacher_index: int, vocab_start: int = 0, vocab_stop: int | None = None) -> torch.Tensor:
+    def lm_head(
+        self, teacher_index: int, vocab_start: int = 0, vocab_stop: int | None = None
+    ) -> torch.Tensor:
         """Rows [vocab_start, vocab_stop) of a teacher's LM head, [vocab_stop − vocab_start, H].
 
         Reads only the chunks overlapping the slice. Rows past the vocabulary (a tensor-parallel
@@ -174,8 +189,12 @@ class TeacherStore:
             raise ValueError(f"bad vocabulary slice [{vocab_start}, {vocab_stop})")
         head = self._array(self.manifest.lm_heads[self._head_position(teacher_index)].path)
         stored_stop = min(vocab_stop, entry.vocab_size)
-        part = from_storage(head[vocab_start:stored_stop] if vocab_start < stored_stop
-                            else np.zeros((0, entry.hidden_size), dtype=head.dtype), entry.dtype)
+        part = from_storage(
+            read_rows(head, vocab_start, stored_stop)
+            if vocab_start < stored_stop
+            else np.zeros((0, entry.hidden_size), dtype=head.dtype),
+            entry.dtype,
+        )
         if stored_stop == vocab_stop:
             return part
         padding = torch.zeros(vocab_stop - max(stored_stop, vocab_start), entry.hidden_size, dtype=part.dtype)
@@ -188,19 +207,21 @@ class TeacherStore:
         """The row's teacher logits rebuilt from its hidden states, transform applied, fp32 [L, V]."""
         entry = self.teacher(self.row(i).teacher_index)
         logits = self.hidden(i).float() @ self.lm_head(entry.index).float().T
-        return apply_logit_transform(logits, logit_scale=entry.logit_scale,
-                                     final_logit_softcap=entry.final_logit_softcap)
+        return apply_logit_transform(
+            logits, logit_scale=entry.logit_scale, final_logit_softcap=entry.final_logit_softcap
+        )
 
     def compression_ratio(self) -> float:
         """Logical bytes of all hidden states over the bytes their shards take on disk."""
         itemsize = 2 if self.manifest.storage.hidden_dtype == "bfloat16" else 4
-        logical = sum(s.tokens * self._teachers[s.teacher or 0].hidden_size * itemsize
-                      for s in self.manifest.shards)
+        logical = sum(
+            s.tokens * self._teachers[s.teacher or 0].hidden_size * itemsize for s in self.manifest.shards
+        )
         stored = sum(s.bytes for s in self.manifest.shards)
         return logical / stored if stored else math.nan
 
 
-def open_store(path: str | Path, *, zarr_store: zarr.abc.store.Store | None = None) -> TeacherStore:
+def open_store(path: str | Path, *, zarr_store: Store | None = None) -> TeacherStore:
     """Opens a finalized store for reading.
 
     Raises:

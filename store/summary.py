@@ -53,15 +53,28 @@ def summarise_store(root: str | Path) -> StoreSummary:
     for teacher in manifest.teachers:
         shards = [s for s in manifest.shards if s.teacher == teacher.index]
         tokens = sum(s.tokens for s in shards)
-        teachers.append(TeacherSummary(
-            index=teacher.index, aliases=teacher.aliases, checkpoint=teacher.checkpoint,
-            fingerprint=teacher.fingerprint, hidden_size=teacher.hidden_size, vocab_size=teacher.vocab_size,
-            rows=sum(s.rows for s in shards), tokens=tokens, stored_bytes=sum(s.bytes for s in shards),
-            logical_bytes=tokens * teacher.hidden_size * itemsize,
-            full_logit_bytes=tokens * teacher.vocab_size * 4,
-        ))
+        teachers.append(
+            TeacherSummary(
+                index=teacher.index,
+                aliases=teacher.aliases,
+                checkpoint=teacher.checkpoint,
+                fingerprint=teacher.fingerprint,
+                hidden_size=teacher.hidden_size,
+                vocab_size=teacher.vocab_size,
+                rows=sum(s.rows for s in shards),
+                tokens=tokens,
+                stored_bytes=sum(s.bytes for s in shards),
+                logical_bytes=tokens * teacher.hidden_size * itemsize,
+                full_logit_bytes=tokens * teacher.vocab_size * 4,
+            )
+        )
     return StoreSummary(
-        path=str(root), format_version=manifest.format_version, created_by=manifest.created_by,
-        hidden_dtype=manifest.storage.hidden_dtype, codec=manifest.storage.codec,
-        rows=manifest.dataset.num_rows, tokens=manifest.dataset.num_tokens, teachers=teachers,
+        path=str(root),
+        format_version=manifest.format_version,
+        created_by=manifest.created_by,
+        hidden_dtype=manifest.storage.hidden_dtype,
+        codec=manifest.storage.codec,
+        rows=manifest.dataset.num_rows,
+        tokens=manifest.dataset.num_tokens,
+        teachers=teachers,
     )

@@ -48,10 +48,19 @@ def write_lm_head(
     """Writes a teacher's LM head [V, H], chunked along V so a tensor-parallel rank reads its slice."""
     dtype = torch_logical_dtype(head.dtype)
     vocab_size, hidden_size = head.shape
-    info = {"vocab_size": int(vocab_size), "hidden_size": int(hidden_size), "dtype": dtype,
-            "logit_scale": logit_scale, "final_logit_softcap": final_logit_softcap}
-    appender = output.appender("", shape=(vocab_size, hidden_size), dtype=dtype,
-                               attributes={**info, "padded_vocab_size": int(vocab_size)})
+    info = {
+        "vocab_size": int(vocab_size),
+        "hidden_size": int(hidden_size),
+        "dtype": dtype,
+        "logit_scale": logit_scale,
+        "final_logit_softcap": final_logit_softcap,
+    }
+    appender = output.appender(
+        "",
+        shape=(vocab_size, hidden_size),
+        dtype=dtype,
+        attributes={**info, "padded_vocab_size": int(vocab_size)},
+    )
     appender.append(to_storage(head, dtype))
     output.info = info
 
@@ -59,8 +68,9 @@ def write_lm_head(
 class HiddenShardWriter:
     """Streams one shard's hidden states: rows in a fixed order, each exactly its own length."""
 
-    def __init__(self, output: TaskOutput, *, row_ids: np.ndarray, lengths: np.ndarray, hidden_size: int,
-                 dtype: str) -> None:
+    def __init__(
+        self, output: TaskOutput, *, row_ids: np.ndarray, lengths: np.ndarray, hidden_size: int, dtype: str
+    ) -> None:
         self._output = output
         self._row_ids = np.asarray(row_ids, dtype=np.int64)
         self._lengths = np.asarray(lengths, dtype=np.int64)
@@ -78,8 +88,9 @@ class HiddenShardWriter:
             expected = self._row_ids[self._next] if self._next < self._row_ids.shape[0] else "none"
             raise ValueError(f"row {row_id} appended out of order (expected row {expected})")
         if hidden.shape[0] != self._lengths[self._next]:
-            raise ValueError(f"row {row_id} has {hidden.shape[0]} hidden states, expected "
-                             f"{self._lengths[self._next]}")
+            raise ValueError(
+                f"row {row_id} has {hidden.shape[0]} hidden states, expected {self._lengths[self._next]}"
+            )
         self._hidden.append(to_storage(hidden, self._dtype))
         self._next += 1
 

@@ -141,9 +141,7 @@ def read_teacher_list(folder: Path) -> list[TeacherIdentity]:
     path = folder / TEACHER_LIST_FILE
     try:
         entries = json.loads(path.read_text())["teachers"]
-        return [
-            TeacherIdentity(int(e["index"]), str(e["checkpoint"]), e.get("fingerprint")) for e in entries
-        ]
+        return [TeacherIdentity(int(e["index"]), str(e["checkpoint"]), e.get("fingerprint")) for e in entries]
     except FileNotFoundError as err:
         raise ManifestError(
             f"{path} not found: {folder} is not a mopd training checkpoint (it records no teacher list)"

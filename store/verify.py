@@ -45,7 +45,9 @@ def _check_artifact(root: Path, artifact: ArtifactRecord, *, full: bool) -> list
         if not path.is_file():
             problems.append(f"{artifact.path}/{rel}: missing")
         elif path.stat().st_size != size:
-            problems.append(f"{artifact.path}/{rel}: {path.stat().st_size} bytes, recorded {size} (truncated?)")
+            problems.append(
+                f"{artifact.path}/{rel}: {path.stat().st_size} bytes, recorded {size} (truncated?)"
+            )
         elif full and sha256_file(path) != digest:
             problems.append(f"{artifact.path}/{rel}: content changed (sha256 differs from the record)")
     for folder_name, dirs, files in os.walk(folder):
@@ -60,7 +62,7 @@ def _check_artifact(root: Path, artifact: ArtifactRecord, *, full: bool) -> list
 def _check_shapes(root: Path, manifest: Manifest) -> list[str]:
     problems = []
     rows = manifest.rows
-    expected = {
+    expected: dict[str, tuple[int, ...]] = {
         "offsets": (manifest.dataset.num_rows + 1,),
         "teacher_index": (manifest.dataset.num_rows,),
         "input_ids": (manifest.dataset.num_tokens,),
@@ -68,18 +70,23 @@ def _check_shapes(root: Path, manifest: Manifest) -> list[str]:
     }
     hidden = {t.index: t.hidden_size for t in manifest.teachers}
     vocab = {t.index: t.vocab_size for t in manifest.teachers}
-    checks = [(rows.path, name, shape) for name, shape in expected.items()]
+    checks: list[tuple[str, str, tuple[int, ...]]] = [
+        (rows.path, name, shape) for name, shape in expected.items()
+    ]
     checks += [(a.path, "", (vocab[a.teacher or 0], hidden[a.teacher or 0])) for a in manifest.lm_heads]
     for shard in manifest.shards:
-        checks += [(shard.path, "hidden", (shard.tokens, hidden[shard.teacher or 0])),
-                   (shard.path, "offsets", (shard.rows + 1,)), (shard.path, "row_ids", (shard.rows,))]
+        checks += [
+            (shard.path, "hidden", (shard.tokens, hidden[shard.teacher or 0])),
+            (shard.path, "offsets", (shard.rows + 1,)),
+            (shard.path, "row_ids", (shard.rows,)),
+        ]
     for folder, name, shape in checks:
         path = root / folder / name if name else root / folder
         if not (path / "zarr.json").exists():
             continue  # reported as a missing file or folder already
         try:
             found = open_array(path).shape
-        except Exception as err:  # noqa: BLE001 - any unreadable metadata is a problem to report
+        except Exception as err:
             problems.append(f"{folder}/{name}: unreadable array metadata ({err})".replace("//", "/"))
             continue
         if tuple(found) != shape:
@@ -102,14 +109,19 @@ def config_teachers(config: MopdConfig) -> tuple[list[TeacherIdentity], list[str
             except ConfigError as err:
                 warnings.append(f"cannot fingerprint teacher {slot.index}: {err}")
         else:
-            warnings.append(f"teacher {slot.index} checkpoint {slot.checkpoint} is not reachable here; "
-                            "compared by path only")
+            warnings.append(
+                f"teacher {slot.index} checkpoint {slot.checkpoint} is not reachable here; "
+                "compared by path only"
+            )
         teachers.append(TeacherIdentity(slot.index, slot.checkpoint, fingerprint))
     return teachers, warnings
 
 
 def verify_store(
-    root: str | Path, *, config: MopdConfig | None = None, checkpoint: str | Path | None = None,
+    root: str | Path,
+    *,
+    config: MopdConfig | None = None,
+    checkpoint: str | Path | None = None,
     full: bool = False,
 ) -> tuple[list[str], list[str]]:
     """Checks a store, and optionally a config and a training checkpoint against it.

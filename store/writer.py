@@ -64,22 +64,46 @@ class TaskOutput:
         return self.folder if name == "" else self.folder / name
 
     def appender(
-        self, name: str, *, shape: tuple[int, ...], dtype: str, attributes: dict[str, Any] | None = None,
+        self,
+        name: str,
+        *,
+        shape: tuple[int, ...],
+        dtype: str,
+        attributes: dict[str, Any] | None = None,
         codec: str | None = None,
     ) -> ChunkAppender:
         """Creates array `name` (`""` for the folder itself) and returns its streaming writer."""
         path = self._array_path(name)
-        create_array(path, shape=shape, dtype=dtype, chunk_bytes=self._chunk_bytes,
-                     codec=codec or self._codec, attributes=attributes)
+        create_array(
+            path,
+            shape=shape,
+            dtype=dtype,
+            chunk_bytes=self._chunk_bytes,
+            codec=codec or self._codec,
+            attributes=attributes,
+        )
         appender = ChunkAppender(path, total_rows=shape[0])
         self._appenders.append(appender)
         return appender
 
-    def write(self, name: str, data: np.ndarray, *, dtype: str | None = None,
-              attributes: dict[str, Any] | None = None, codec: str | None = None) -> None:
+    def write(
+        self,
+        name: str,
+        data: np.ndarray,
+        *,
+        dtype: str | None = None,
+        attributes: dict[str, Any] | None = None,
+        codec: str | None = None,
+    ) -> None:
         """Creates array `name` holding `data` (small arrays; big ones use `appender`)."""
-        write_array(self._array_path(name), data, logical_dtype=dtype, chunk_bytes=self._chunk_bytes,
-                    codec=codec or self._codec, attributes=attributes)
+        write_array(
+            self._array_path(name),
+            data,
+            logical_dtype=dtype,
+            chunk_bytes=self._chunk_bytes,
+            codec=codec or self._codec,
+            attributes=attributes,
+        )
 
     def write_strings(self, name: str, values: list[str]) -> None:
         write_strings(self._array_path(name), values)
@@ -189,9 +213,17 @@ class StoreWriter:
                 )
             shutil.rmtree(temp)
         part = PartRecord(
-            task_id=spec.task_id, identity=self.identity, kind=spec.kind, path=spec.path,
-            teacher=spec.teacher, shard=spec.shard, num_rows=output.num_rows, num_tokens=output.num_tokens,
-            bytes=sum(size for size, _ in files.values()), hash=artifact_hash(files), files=files,
+            task_id=spec.task_id,
+            identity=self.identity,
+            kind=spec.kind,
+            path=spec.path,
+            teacher=spec.teacher,
+            shard=spec.shard,
+            num_rows=output.num_rows,
+            num_tokens=output.num_tokens,
+            bytes=sum(size for size, _ in files.values()),
+            hash=artifact_hash(files),
+            files=files,
             info=output.info,
         )
         path = self.part_path(spec.task_id)
@@ -211,16 +243,19 @@ class StoreWriter:
             return None
         parts = {task_id: load_part(self.part_path(task_id)) for task_id in self._tasks}
         part_hashes = {task_id: sha256_file(self.part_path(task_id)) for task_id in self._tasks}
-        manifest = build_manifest(self.root, self.plan, parts, part_hashes, created_by=created_by,
-                                  volatile=volatile)
+        manifest = build_manifest(
+            self.root, self.plan, parts, part_hashes, created_by=created_by, volatile=volatile
+        )
         return publish_manifest(self.root / MANIFEST_FILE, manifest)
 
 
 def _describe_plan_mismatch(root: Path, existing: Plan, new: Plan) -> str:
     differences = []
     if existing.dataset != new.dataset:
-        differences.append(f"dataset {existing.dataset.source} ({existing.dataset.num_rows} rows) vs "
-                           f"{new.dataset.source} ({new.dataset.num_rows} rows)")
+        differences.append(
+            f"dataset {existing.dataset.source} ({existing.dataset.num_rows} rows) vs "
+            f"{new.dataset.source} ({new.dataset.num_rows} rows)"
+        )
     old_teachers = [(t.checkpoint, t.fingerprint) for t in existing.teachers]
     new_teachers = [(t.checkpoint, t.fingerprint) for t in new.teachers]
     if old_teachers != new_teachers:

@@ -21,11 +21,30 @@ def teacher_checkpoints(tmp_path: Path) -> dict[str, Path]:
 def small_spec(tmp_path: Path, teacher_checkpoints: dict[str, Path]) -> StoreSpec:
     """4 aliases over 3 checkpoints, 14 short rows of mixed agents."""
     ckpt = {name: str(path.resolve()) for name, path in teacher_checkpoints.items()}
-    agents = ["math", "code", "chat", "reasoning", "math", "code", "math", "chat", "reasoning", "code",
-              "math", "math", "chat", "code"]
+    agents = [
+        "math",
+        "code",
+        "chat",
+        "reasoning",
+        "math",
+        "code",
+        "math",
+        "chat",
+        "reasoning",
+        "code",
+        "math",
+        "math",
+        "chat",
+        "code",
+    ]
     return StoreSpec(
         root=str(tmp_path / "store.zarr"),
-        teachers={"math": ckpt["math"], "code": ckpt["code"], "chat": ckpt["chat"], "reasoning": ckpt["math"]},
+        teachers={
+            "math": ckpt["math"],
+            "code": ckpt["code"],
+            "chat": ckpt["chat"],
+            "reasoning": ckpt["math"],
+        },
         hidden_sizes={ckpt["math"]: 48, ckpt["code"]: 64, ckpt["chat"]: 32},
         agents=agents,
         lengths=[(7 * i) % 23 + 1 for i in range(len(agents))],

@@ -28,18 +28,31 @@ from mopd.store.writer import StoreWriter
 VOCAB_SIZE = 300
 
 
-def make_checkpoint(folder: Path, *, hidden_size: int, seed: int, vocab_size: int = VOCAB_SIZE,
-                    softcap: float | None = None, tied: bool = False) -> Path:
+def make_checkpoint(
+    folder: Path,
+    *,
+    hidden_size: int,
+    seed: int,
+    vocab_size: int = VOCAB_SIZE,
+    softcap: float | None = None,
+    tied: bool = False,
+) -> Path:
     """A checkpoint folder with config.json, tokenizer.json and a safetensors LM head."""
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"model_type": "llama", "hidden_size": hidden_size, "vocab_size": vocab_size,
-              "tie_word_embeddings": tied, "_name_or_path": str(folder)}
+    config = {
+        "model_type": "llama",
+        "hidden_size": hidden_size,
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": tied,
+        "_name_or_path": str(folder),
+    }
     if softcap is not None:
         config["final_logit_softcapping"] = softcap
     (folder / "config.json").write_text(json.dumps(config))
     vocab = {f"tok{i}": i for i in range(vocab_size)}
-    (folder / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordLevel", "vocab": vocab},
-                                                       "added_tokens": []}))
+    (folder / "tokenizer.json").write_text(
+        json.dumps({"model": {"type": "WordLevel", "vocab": vocab}, "added_tokens": []})
+    )
     generator = torch.Generator().manual_seed(seed)
     head = torch.randn(vocab_size, hidden_size, generator=generator)
     name = "model.embed_tokens.weight" if tied else "lm_head.weight"
@@ -91,11 +104,22 @@ def build_plan(spec: StoreSpec) -> tuple[Plan, np.ndarray, dict[int, int]]:
     first = slots[0].checkpoint
     plan = Plan(
         tokenizer=TokenizerInfo(name=first, vocab_hash=vocab_hash(first), vocab_size=VOCAB_SIZE),
-        dataset=DatasetInfo(source="synthetic", fingerprint=f"lengths-{sum(spec.lengths)}",
-                            num_rows=len(spec.lengths), num_tokens=sum(spec.lengths)),
-        teachers=[TeacherInfo(index=s.index, checkpoint=s.checkpoint, aliases=list(s.aliases),
-                              fingerprint=checkpoint_fingerprint(s.checkpoint), backend="synthetic")
-                  for s in slots],
+        dataset=DatasetInfo(
+            source="synthetic",
+            fingerprint=f"lengths-{sum(spec.lengths)}",
+            num_rows=len(spec.lengths),
+            num_tokens=sum(spec.lengths),
+        ),
+        teachers=[
+            TeacherInfo(
+                index=s.index,
+                checkpoint=s.checkpoint,
+                aliases=list(s.aliases),
+                fingerprint=checkpoint_fingerprint(s.checkpoint),
+                backend="synthetic",
+            )
+            for s in slots
+        ],
         tasks=plan_tasks(teacher_index, num_teachers=len(slots), rows_per_task=spec.rows_per_task),
         storage=StorageInfo(hidden_dtype=spec.dtype, codec=spec.codec, chunk_bytes=spec.chunk_bytes),
         config={"rows_per_task": spec.rows_per_task},
@@ -115,24 +139,43 @@ def build_store(spec: StoreSpec) -> StoreWriter:
             continue
         with writer.task(task.task_id) as out:
             if task.kind == "rows":
-                write_rows(out, input_ids=[tokens_for(i, n) for i, n in enumerate(spec.lengths)],
-                           loss_mask=[(np.arange(n) % 3 != 0).astype(np.uint8) for n in spec.lengths],
-                           teacher_index=teacher_index, source_keys=[f"row-{i}" for i in range(len(lengths))])
+                write_rows(
+                    out,
+                    input_ids=[tokens_for(i, n) for i, n in enumerate(spec.lengths)],
+                    loss_mask=[(np.arange(n) % 3 != 0).astype(np.uint8) for n in spec.lengths],
+                    teacher_index=teacher_index,
+                    source_keys=[f"row-{i}" for i in range(len(lengths))],
+                )
             elif task.kind == "lm_head":
                 assert task.teacher is not None
-                write_lm_head(out, head_for(task.teacher, VOCAB_SIZE, hidden_sizes[task.teacher],
-                                            spec.torch_dtype),
-                              final_logit_softcap=spec.softcaps.get(checkpoints[task.teacher]))
+                write_lm_head(
+                    out,
+                    head_for(task.teacher, VOCAB_SIZE, hidden_sizes[task.teacher], spec.torch_dtype),
+                    final_logit_softcap=spec.softcaps.get(checkpoints[task.teacher]),
+                )
             else:
                 assert task.teacher is not None
                 rows = shard_rows(teacher_index, task)
-                shard = HiddenShardWriter(out, row_ids=rows, lengths=lengths[rows],
-                                          hidden_size=hidden_sizes[task.teacher], dtype=spec.dtype)
+                shard = HiddenShardWriter(
+                    out,
+                    row_ids=rows,
+                    lengths=lengths[rows],
+                    hidden_size=hidden_sizes[task.teacher],
+                    dtype=spec.dtype,
+                )
                 for k, row in enumerate(rows):
                     if spec.kill_in_task == task.task_id and k == len(rows) // 2:
                         os.kill(os.getpid(), signal.SIGKILL)
-                    shard.append(int(row), hidden_for(int(row), task.teacher, int(lengths[row]),
-                                                      hidden_sizes[task.teacher], spec.torch_dtype))
+                    shard.append(
+                        int(row),
+                        hidden_for(
+                            int(row),
+                            task.teacher,
+                            int(lengths[row]),
+                            hidden_sizes[task.teacher],
+                            spec.torch_dtype,
+                        ),
+                    )
                 shard.close()
     writer.finalize(created_by="mopd-tests", volatile={"host": "test"})
     return writer

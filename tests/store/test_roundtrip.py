@@ -21,8 +21,9 @@ def test_ragged_rows_round_trip_bit_exact(small_spec: StoreSpec, dtype: str) -> 
     num_rows = 24
     lengths = [1, 4096, *rng.integers(1, 4097, size=num_rows - 2).tolist()]
     agents = [["math", "code", "chat", "reasoning"][i % 4] for i in range(num_rows)]
-    spec = dataclasses.replace(small_spec, lengths=lengths, agents=agents, dtype=dtype, rows_per_task=5,
-                               chunk_bytes=1 << 18)
+    spec = dataclasses.replace(
+        small_spec, lengths=lengths, agents=agents, dtype=dtype, rows_per_task=5, chunk_bytes=1 << 18
+    )
     build_store(spec)
     store = open_store(spec.root)
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
@@ -42,8 +43,10 @@ def test_ragged_rows_round_trip_bit_exact(small_spec: StoreSpec, dtype: str) -> 
         expected = hidden_for(i, row.teacher_index, length, teacher.hidden_size, torch_dtype)
         assert hidden.dtype == torch_dtype and hidden.shape == (length, teacher.hidden_size)
         # Bit-exact: compare the raw bit patterns, not values.
-        assert torch.equal(hidden.view(torch.int16 if dtype == "bfloat16" else torch.int32),
-                           expected.view(torch.int16 if dtype == "bfloat16" else torch.int32))
+        assert torch.equal(
+            hidden.view(torch.int16 if dtype == "bfloat16" else torch.int32),
+            expected.view(torch.int16 if dtype == "bfloat16" else torch.int32),
+        )
     assert seen_teachers == {0, 1, 2}
     for teacher in store.manifest.teachers:
         head = head_for(teacher.index, VOCAB_SIZE, teacher.hidden_size, torch_dtype)
@@ -104,7 +107,9 @@ def test_lm_head_slice_reads_only_overlapping_chunks(small_spec: StoreSpec) -> N
         got = store.lm_head(math.index, start, stop)
         assert torch.equal(got, full[start:stop])
         chunk_reads = sorted(k for k in counting.reads if k.startswith(f"{head_path}/c/"))
-        expected = [f"{head_path}/c/{c}/0" for c in range(start // 16, -(-stop // 16))] if stop > start else []
+        expected = (
+            [f"{head_path}/c/{c}/0" for c in range(start // 16, -(-stop // 16))] if stop > start else []
+        )
         assert sorted(chunk_reads) == sorted(expected), (start, stop)
 
 

@@ -1,0 +1,199 @@
+"""Acceptance: `mopd verify-manifest` exits 0 on a clean store and 1 with one line per problem."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner, Result
+from safetensors.torch import load_file, save_file
+
+from mopd.cli.main import cli
+from mopd.store.manifest import MANIFEST_FILE, PARTS_DIR
+from mopd.store.teachers import TeacherIdentity, write_teacher_list
+from tests.store.synthetic import StoreSpec, make_checkpoint
+
+
+def verify(*args: str) -> Result:
+    return CliRunner().invoke(cli, ["verify-manifest", *args])
+
+
+def problem_lines(result: Result) -> list[str]:
+    return [line for line in result.stdout.splitlines() if line.strip()]
+
+
+def write_config(path: Path, teachers: dict[str, str], store: str) -> Path:
+    path.write_text(
+        yaml.safe_dump({"teachers": teachers, "data": {"path": "data.jsonl"}, "store": {"path": store}})
+    )
+    return path
+
+
+def hidden_chunk(root: Path) -> Path:
+    chunks = sorted((root / "teachers" / "0" / "shards" / "shard_000000" / "hidden" / "c").rglob("*"))
+    return next(c for c in chunks if c.is_file())
+
+
+def test_clean_store_passes(small_store: StoreSpec) -> None:
+    result = verify(small_store.root, "--full")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("ok:")
+    assert json.loads(verify(small_store.root, "--json").stdout) == []
+
+
+def test_flipped_byte_found_by_full_only(small_store: StoreSpec) -> None:
+    chunk = hidden_chunk(Path(small_store.root))
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    assert verify(small_store.root).exit_code == 0  # sizes unchanged: quick mode cannot see it
+    result = verify(small_store.root, "--full")
+    assert result.exit_code == 1
+    lines = problem_lines(result)
+    assert len(lines) == 1
+    assert "teachers/0/shards/shard_000000/hidden/c/" in lines[0] and "content changed" in lines[0]
+
+
+def test_truncated_chunk(small_store: StoreSpec) -> None:
+    chunk = hidden_chunk(Path(small_store.root))
+    chunk.write_bytes(chunk.read_bytes()[:-3])
+    lines = problem_lines(result := verify(small_store.root))
+    assert result.exit_code == 1 and len(lines) == 1
+    assert "shard_000000/hidden/c/" in lines[0] and "truncated" in lines[0]
+
+
+def test_deleted_shard(small_store: StoreSpec) -> None:
+    shutil.rmtree(Path(small_store.root) / "teachers" / "2" / "shards" / "shard_000001")
+    lines = problem_lines(result := verify(small_store.root))
+    assert result.exit_code == 1 and len(lines) == 1
+    assert lines[0].startswith("teachers/2/shards/shard_000001: missing")
+
+
+def test_no_manifest_says_tasks_done(small_store: StoreSpec) -> None:
+    root = Path(small_store.root)
+    (root / MANIFEST_FILE).unlink()
+    (root / PARTS_DIR / "teacher_002_shard_000000.json").unlink()
+    total = len(list((root / PARTS_DIR).glob("*.json"))) + 1
+    lines = problem_lines(result := verify(small_store.root))
+    assert result.exit_code == 1 and len(lines) == 1
+    assert f"{total - 1} of {total} tasks are done" in lines[0]
+
+
+def _edit_manifest(root: Path, **changes: object) -> None:
+    path = root / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    manifest.update(changes)
+    path.write_text(json.dumps(manifest))
+
+
+def test_format_version_2(small_store: StoreSpec) -> None:
+    _edit_manifest(Path(small_store.root), format_version=2)
+    lines = problem_lines(result := verify(small_store.root))
+    assert result.exit_code == 1 and len(lines) == 1
+    assert "format_version 2 is newer than this mopd (reads 1); upgrade mopd" in lines[0]
+
+
+def test_unknown_required_feature(small_store: StoreSpec) -> None:
+    _edit_manifest(Path(small_store.root), required_features=["sparse-topk"])
+    lines = problem_lines(result := verify(small_store.root))
+    assert result.exit_code == 1 and len(lines) == 1
+    assert "sparse-topk" in lines[0] and "upgrade mopd" in lines[0]
+
+
+def test_config_with_same_teachers_passes(small_store: StoreSpec, tmp_path: Path) -> None:
+    # Aliases renamed and reordered: numbering is by checkpoint, so nothing changes.
+    teachers = {
+        "z-code": small_store.teachers["code"],
+        "a-chat": small_store.teachers["chat"],
+        "m": small_store.teachers["math"],
+    }
+    config = write_config(tmp_path / "same.yaml", teachers, small_store.root)
+    result = verify(small_store.root, "--config", str(config))
+    assert result.exit_code == 0, result.output
+
+
+def test_config_renumbering_teachers(small_store: StoreSpec, tmp_path: Path) -> None:
+    # A new checkpoint that sorts before all others shifts every index by one.
+    extra = make_checkpoint(tmp_path / "ckpt" / "a-first-teacher", hidden_size=16, seed=9)
+    teachers = {**small_store.teachers, "new": str(extra)}
+    config = write_config(tmp_path / "renumber.yaml", teachers, small_store.root)
+    lines = problem_lines(result := verify(small_store.root, "--config", str(config)))
+    assert result.exit_code == 1
+    assert sum("renumbered" in line for line in lines) == 3
+    assert sum("added in the config" in line and "a-first-teacher" in line for line in lines) == 1
+    assert len(lines) == 4
+
+
+def test_config_dropped_teacher(small_store: StoreSpec, tmp_path: Path) -> None:
+    teachers = {k: v for k, v in small_store.teachers.items() if k != "chat"}  # chat sorts first: 0
+    config = write_config(tmp_path / "dropped.yaml", teachers, small_store.root)
+    lines = problem_lines(result := verify(small_store.root, "--config", str(config)))
+    assert result.exit_code == 1
+    assert any("dropped from the config" in line and "chat-teacher" in line for line in lines)
+
+
+def test_config_added_teacher(small_store: StoreSpec, tmp_path: Path) -> None:
+    extra = make_checkpoint(tmp_path / "ckpt" / "zz-last-teacher", hidden_size=16, seed=9)
+    config = write_config(
+        tmp_path / "added.yaml", {**small_store.teachers, "new": str(extra)}, small_store.root
+    )
+    lines = problem_lines(result := verify(small_store.root, "--config", str(config)))
+    assert result.exit_code == 1 and len(lines) == 1
+    assert "teacher 3" in lines[0] and "added in the config" in lines[0]
+
+
+def test_changed_fingerprint_at_same_path(small_store: StoreSpec, tmp_path: Path) -> None:
+    ckpt = Path(small_store.teachers["code"])
+    weights = load_file(ckpt / "model.safetensors")
+    weights["lm_head.weight"][0, 0] += 1
+    save_file(weights, ckpt / "model.safetensors")
+    config = write_config(tmp_path / "changed.yaml", small_store.teachers, small_store.root)
+    lines = problem_lines(result := verify(small_store.root, "--config", str(config)))
+    assert result.exit_code == 1 and len(lines) == 1
+    assert "code-teacher" in lines[0] and "fingerprint changed at the same path" in lines[0]
+
+
+def test_checkpoint_with_different_teacher_list(small_store: StoreSpec, tmp_path: Path) -> None:
+    from mopd.store import open_store
+
+    teachers = [
+        TeacherIdentity(t.index, t.checkpoint, t.fingerprint) for t in open_store(small_store.root).teachers
+    ]
+    good = tmp_path / "step_000010"
+    good.mkdir()
+    write_teacher_list(good, teachers)
+    assert verify(small_store.root, "--checkpoint", str(good)).exit_code == 0
+    swapped = tmp_path / "step_000020"
+    swapped.mkdir()
+    write_teacher_list(
+        swapped,
+        [
+            TeacherIdentity(0, teachers[1].checkpoint, teachers[1].fingerprint),
+            TeacherIdentity(1, teachers[0].checkpoint, teachers[0].fingerprint),
+            teachers[2],
+        ],
+    )
+    lines = problem_lines(result := verify(small_store.root, "--checkpoint", str(swapped)))
+    assert result.exit_code == 1 and len(lines) == 2
+    assert all("renumbered" in line and "checkpoint" in line for line in lines)
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_reports_every_problem(small_store: StoreSpec, tmp_path: Path, as_json: bool) -> None:
+    root = Path(small_store.root)
+    chunk = hidden_chunk(root)
+    chunk.write_bytes(chunk.read_bytes()[:-1])
+    shutil.rmtree(root / "teachers" / "2" / "shards" / "shard_000000")
+    extra = make_checkpoint(tmp_path / "ckpt" / "zz-last-teacher", hidden_size=16, seed=9)
+    config = write_config(tmp_path / "added.yaml", {**small_store.teachers, "new": str(extra)}, str(root))
+    args = [str(root), "--config", str(config), *(["--json"] if as_json else [])]
+    result = verify(*args)
+    assert result.exit_code == 1
+    problems = json.loads(result.stdout) if as_json else problem_lines(result)
+    assert len(problems) == 3
+    assert any("truncated" in p for p in problems)
+    assert any("shard_000000: missing" in p and "teachers/2" in p for p in problems)
+    assert any("added in the config" in p for p in problems)

@@ -1,0 +1,88 @@
+"""The one multi-process harness: spawn, gloo, a file rendezvous, a timeout that names the hung rank.
+
+    results = run_distributed(worker, world_size=2, args=(x,))
+
+`worker(rank, world_size, *args)` runs in a fresh spawned process with the default process group
+initialised (gloo, `file://` rendezvous in a private temp folder, so no free-port races); its return
+value (picklable) comes back to the parent in rank order, where the test compares them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+
+def _entry(
+    worker: Callable[..., Any], rank: int, world_size: int, init_file: str, args: tuple, results: Any
+) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        try:
+            value = worker(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", value))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(
+    worker: Callable[..., Any], *, world_size: int = 2, args: tuple = (), timeout: float = 60.0
+) -> list[Any]:
+    """Runs `worker` on `world_size` gloo ranks and returns their results in rank order.
+
+    Raises:
+        AssertionError: a rank raised (its traceback is included), or "rank r hung" on timeout.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        init_file = str(Path(folder) / "rendezvous")
+        procs = [
+            ctx.Process(target=_entry, args=(worker, r, world_size, init_file, args, results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        outcome: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(outcome) < world_size:
+                try:
+                    rank, status, value = results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                    outcome[rank] = (status, value)
+                    if status == "error":
+                        break
+                except queue.Empty:
+                    dead = [
+                        r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcome
+                    ]
+                    if dead:
+                        code = procs[dead[0]].exitcode
+                        raise AssertionError(f"rank {dead[0]} died with exit code {code}") from None
+                    if time.monotonic() >= deadline:
+                        hung = [r for r in range(world_size) if r not in outcome]
+                        raise AssertionError(
+                            f"rank {hung[0]} hung (no result after {timeout:.0f} s)"
+                        ) from None
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+                p.join(5)
+    errors = {r: v for r, (s, v) in outcome.items() if s == "error"}
+    if errors:
+        rank = min(errors)
+        raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
+    return [outcome[r][1] for r in range(world_size)]

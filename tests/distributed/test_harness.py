@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed.harness import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+
+def _all_reduce(rank: int, world_size: int, base: float) -> list[float]:
+    t = torch.full((3,), base + rank)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _rank_one_hangs(rank: int, world_size: int) -> None:
+    if rank == 1:
+        time.sleep(60)
+    dist.barrier()
+
+
+def _rank_one_raises(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise RuntimeError("boom on rank 1")
+
+
+def test_results_come_back_in_rank_order() -> None:
+    results = run_distributed(_all_reduce, world_size=2, args=(1.0,))
+    assert results == [[3.0, 3.0, 3.0]] * 2
+
+
+def test_hang_names_the_rank() -> None:
+    with pytest.raises(AssertionError, match=r"rank [01] hung"):
+        run_distributed(_rank_one_hangs, world_size=2, timeout=8)
+
+
+def test_failure_carries_traceback() -> None:
+    with pytest.raises(AssertionError, match=r"(?s)rank 1 failed:.*boom on rank 1"):
+        run_distributed(_rank_one_raises, world_size=2, timeout=30)

@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mopd.store.config import load_config
+from mopd.store.errors import ConfigError
+
+BASE = """\
+teachers:
+  math: ckpts/math
+  code: ckpts/code
+data: {path: data/train.jsonl}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_and_relative_paths(tmp_path: Path) -> None:
+    (tmp_path / "ckpts" / "math").mkdir(parents=True)
+    config = load_config(write(tmp_path, BASE))
+    assert config.teachers["math"] == str((tmp_path / "ckpts" / "math").resolve())
+    assert config.data.path == str((tmp_path / "data" / "train.jsonl").resolve())
+    assert config.store.dtype == "bfloat16" and config.store.codec == "shuffle-zstd1"
+    assert config.agent_to_alias() == {"math": "math", "code": "code"}
+
+
+def test_duplicate_key_is_an_error(tmp_path: Path) -> None:
+    text = BASE.replace("  code: ckpts/code\n", "  code: ckpts/code\n  math: ckpts/other\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'math' at line 4 \(first at line 2\)"):
+        load_config(write(tmp_path, text))
+
+
+def test_unknown_key_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"`store.dtpye`: Extra inputs are not permitted"):
+        load_config(write(tmp_path, BASE + "store: {dtpye: float32}\n"))
+
+
+def test_bad_value_is_named(tmp_path: Path) -> None:
+    text = BASE + "train: {student: s, optim: {lr: -1}}\n"
+    with pytest.raises(ConfigError, match=r"`train.optim.lr`: Input should be greater than 0"):
+        load_config(write(tmp_path, text))
+
+
+def test_routing_to_unknown_alias(tmp_path: Path) -> None:
+    text = BASE + "routing: {teacher_by_agent: {algebra: mathh}}\n"
+    with pytest.raises(
+        ConfigError, match=r"routing.teacher_by_agent.algebra: alias 'mathh' is not in teachers"
+    ):
+        load_config(write(tmp_path, text))
+
+
+def test_unreadable_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "teachers: [unclosed\n"))
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")

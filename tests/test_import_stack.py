@@ -1,0 +1,51 @@
+"""Guard: store/ at the bottom; precompute/ and train/ above it, never importing each other; cli/ on top."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = ("store", "precompute", "train", "cli")
+ALLOWED = {
+    "store": {"store"},
+    "precompute": {"store", "precompute"},
+    "train": {"store", "train"},
+    "cli": {"store", "precompute", "train", "cli"},
+}
+# The store is read by plain numerical code; distributed process groups belong to the trainer.
+FORBIDDEN_MODULES = {"store": ("torch.distributed", "click", "transformers")}
+
+
+def imported_modules(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def test_layers_import_only_downwards() -> None:
+    violations = []
+    checked = 0
+    for layer in LAYERS:
+        for path in sorted((REPO / layer).rglob("*.py")) if (REPO / layer).exists() else []:
+            checked += 1
+            for module in imported_modules(path):
+                parts = module.split(".")
+                if parts[0] == "mopd" and len(parts) > 1 and parts[1] not in ALLOWED[layer]:
+                    violations.append(f"{path.relative_to(REPO)} imports {module}")
+                if any(
+                    module == bad or module.startswith(bad + ".") for bad in FORBIDDEN_MODULES.get(layer, ())
+                ):
+                    violations.append(f"{path.relative_to(REPO)} imports {module}")
+    assert checked > 10
+    assert violations == []
+
+
+def test_guard_catches_a_violation(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("from mopd.train.divergence import linear_divergence\nimport torch.distributed as dist\n")
+    assert imported_modules(bad) == ["mopd.train.divergence", "torch.distributed"]
