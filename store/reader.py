@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -64,6 +65,8 @@ def read_manifest(root: Path) -> Manifest:
         return load_manifest(root / MANIFEST_FILE)
     except FileNotFoundError:
         pass
+    if not root.is_dir():
+        raise ManifestError(f"store {root} does not exist")
     if not (root / PLAN_FILE).exists():
         raise ManifestError(f"{root} is not a mopd store: it has no {MANIFEST_FILE} and no {PLAN_FILE}")
     done, total = task_progress(root)
@@ -95,6 +98,7 @@ class TeacherStore:
         self._offsets = read_rows(rows).astype(np.int64)
         self._teachers = {t.index: t for t in self.manifest.teachers}
 
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - the store lives as long as its arrays
     def _array(self, folder: str, name: str = "") -> zarr.Array:
         path = safe_join(self.root, folder)
         if self._zarr_store is not None:

@@ -1,0 +1,248 @@
+"""Store I/O against the raw disk, measured in one run (DESIGN §4, §10).
+
+Writes a ragged bf16 payload ([262144, 2048] by default: 1 GiB) through the store's public writer
+(tensorstore engine: chunk encoding, fsync, publish, hashing, part records included), reads it back
+row by row through `open_store(...).hidden(i)`, and compares with the same bytes written to one raw file
+with fsync and read back. The same payload is also written with zarr-python as the engine, which is how
+the write engine was chosen. Prints a table and writes bench/results/store_io.json.
+
+The payload imitates final-norm hidden states: N(0, 1) values times a per-channel scale drawn from
+lognormal(0, 0.5) (the norm's weight), rounded to bf16.
+
+    python bench/store_io.py [--tokens 262144] [--hidden 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+from zarr.codecs import BloscCodec
+
+from mopd.store import open_store
+from mopd.store.arrays import storage_dtype
+from mopd.store.fsio import fsync_tree
+from mopd.store.layout import plan_tasks, shard_rows
+from mopd.store.manifest import DatasetInfo, Plan, StorageInfo, TeacherInfo, TokenizerInfo
+from mopd.store.tasks import HiddenShardWriter, write_lm_head, write_rows
+from mopd.store.writer import StoreWriter
+
+CHUNK_BYTES = 8 << 20
+
+
+def ragged_lengths(total: int, rng: np.random.Generator) -> list[int]:
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(int(min(rng.integers(1, 4097), total - sum(lengths))))
+    return lengths
+
+
+def payload(tokens: int, hidden: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    scale = torch.empty(hidden).log_normal_(0.0, 0.5, generator=generator)
+    out = torch.empty(tokens, hidden, dtype=torch.bfloat16)
+    for start in range(0, tokens, 16384):  # bounded fp32 temporaries
+        block = torch.randn(min(16384, tokens - start), hidden, generator=generator)
+        out[start : start + block.shape[0]] = (block * scale).to(torch.bfloat16)
+    return out
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def raw_write(path: Path, data: np.ndarray) -> float:
+    start = time.perf_counter()
+    with path.open("wb") as f:
+        f.write(memoryview(data).cast("B"))
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - start
+
+
+def raw_read(path: Path) -> float:
+    start = time.perf_counter()
+    with path.open("rb") as f:
+        while f.read(64 << 20):
+            pass
+    return time.perf_counter() - start
+
+
+def store_write(root: Path, hidden: torch.Tensor, lengths: list[int], rows_per_task: int) -> float:
+    num_rows, hidden_size = len(lengths), hidden.shape[1]
+    teacher_index = np.zeros(num_rows, dtype=np.int64)
+    plan = Plan(
+        tokenizer=TokenizerInfo(name="bench", vocab_hash="bench", vocab_size=1024),
+        dataset=DatasetInfo(source="bench", fingerprint="bench", num_rows=num_rows, num_tokens=sum(lengths)),
+        teachers=[
+            TeacherInfo(index=0, checkpoint="bench", aliases=["bench"], fingerprint="bench", backend="bench")
+        ],
+        tasks=plan_tasks(teacher_index, num_teachers=1, rows_per_task=rows_per_task),
+        storage=StorageInfo(hidden_dtype="bfloat16", codec="shuffle-zstd1", chunk_bytes=CHUNK_BYTES),
+        config={},
+    )
+    writer = StoreWriter.open(root, plan)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    with writer.task("rows") as out:
+        write_rows(
+            out,
+            input_ids=[np.zeros(n, np.int32) for n in lengths],
+            loss_mask=[np.ones(n, np.uint8) for n in lengths],
+            teacher_index=teacher_index,
+            source_keys=[str(i) for i in range(num_rows)],
+        )
+    with writer.task("teacher_000_lm_head") as out:
+        write_lm_head(out, torch.zeros(1024, hidden_size, dtype=torch.bfloat16))
+    start = time.perf_counter()
+    for task in plan.tasks:
+        if task.kind != "hidden":
+            continue
+        rows = shard_rows(teacher_index, task)
+        with writer.task(task.task_id) as out:
+            shard = HiddenShardWriter(
+                out, row_ids=rows, lengths=np.array(lengths)[rows], hidden_size=hidden_size, dtype="bfloat16"
+            )
+            for row in rows:
+                shard.append(int(row), hidden[offsets[row] : offsets[row + 1]])
+            shard.close()
+    elapsed = time.perf_counter() - start
+    writer.finalize(created_by="bench", volatile={})
+    return elapsed
+
+
+def store_read(root: Path) -> tuple[float, bool]:
+    store = open_store(root)
+    start = time.perf_counter()
+    for i in range(store.num_rows):
+        store.hidden(i)
+    return time.perf_counter() - start, True
+
+
+def zarr_python_write(path: Path, data: np.ndarray) -> float:
+    start = time.perf_counter()
+    rows_per_chunk = CHUNK_BYTES // (data.shape[1] * data.itemsize)
+    array = zarr.create_array(
+        path,
+        shape=data.shape,
+        chunks=(rows_per_chunk, data.shape[1]),
+        dtype="uint16",
+        compressors=[BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=2, blocksize=1 << 20)],
+    )
+    array[:] = data
+    fsync_tree(path)
+    return time.perf_counter() - start
+
+
+def stored_bytes(root: Path, under: str) -> int:
+    return sum(p.stat().st_size for p in (root / under).rglob("*") if p.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, default=262144)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--rows-per-task", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workdir", type=Path, default=None, help="folder on the disk to measure")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "store_io.json")
+    args = parser.parse_args()
+
+    rng = np.random.default_rng(0)
+    lengths = ragged_lengths(args.tokens, rng)
+    hidden = payload(args.tokens, args.hidden)
+    data = hidden.view(torch.int16).numpy().view(storage_dtype("bfloat16"))
+    logical = data.nbytes
+    work = Path(tempfile.mkdtemp(prefix="mopd-bench-", dir=args.workdir))
+    times: dict[str, list[float]] = {k: [] for k in ("raw_w", "raw_r", "store_w", "store_r", "zarr_w")}
+    cold = False
+    try:
+        # Interleaved repeats, best of each: the disk's speed drifts during a run (writeback, other I/O).
+        for rep in range(args.repeats):
+            raw_path = work / "raw.bin"
+            times["raw_w"].append(raw_write(raw_path, data))
+            cold = drop_page_cache()
+            times["raw_r"].append(raw_read(raw_path))
+            raw_path.unlink()
+            store_root = work / f"store-{rep}.zarr"
+            times["store_w"].append(store_write(store_root, hidden, lengths, args.rows_per_task))
+            drop_page_cache()
+            times["store_r"].append(store_read(store_root)[0])
+            on_disk = stored_bytes(store_root, "teachers/0/shards")
+            shutil.rmtree(store_root)
+            times["zarr_w"].append(zarr_python_write(work / f"zarr-python-{rep}.zarr", data))
+            shutil.rmtree(work / f"zarr-python-{rep}.zarr")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    raw_write_s, raw_read_s, store_write_s, store_read_s, zarr_write_s = (
+        min(times[k]) for k in ("raw_w", "raw_r", "store_w", "store_r", "zarr_w")
+    )
+
+    gbs = lambda seconds: logical / seconds / 1e9  # noqa: E731
+    result = {
+        "payload": {
+            "tokens": args.tokens,
+            "hidden": args.hidden,
+            "rows": len(lengths),
+            "dtype": "bfloat16",
+            "logical_bytes": logical,
+        },
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "page_cache_dropped_before_reads": cold,
+        "repeats": args.repeats,
+        "all_seconds": times,
+        "raw": {"write_s": raw_write_s, "read_s": raw_read_s},
+        "store": {
+            "write_s": store_write_s,
+            "read_s": store_read_s,
+            "bytes_on_disk": on_disk,
+            "engine": "tensorstore",
+            "codec": "blosc(zstd, clevel 1, byte-shuffle, 1 MiB blocks)",
+        },
+        "zarr_python_engine": {"write_s": zarr_write_s},
+        "ratios": {
+            "store_write_vs_raw": raw_write_s / store_write_s,
+            "store_read_vs_raw": raw_read_s / store_read_s,
+            "compressed_over_raw_bytes": on_disk / logical,
+            "compression_ratio": logical / on_disk,
+            "tensorstore_vs_zarr_python_write": zarr_write_s / store_write_s,
+        },
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"payload: {len(lengths)} ragged rows, {args.tokens} x {args.hidden} bf16 = {logical / 2**30:.2f} GiB"
+    )
+    print(f"{'':28}{'seconds':>10}{'GB/s':>8}{'vs raw':>9}")
+    for name, seconds, base in [
+        ("raw write + fsync", raw_write_s, raw_write_s),
+        ("store write (tensorstore)", store_write_s, raw_write_s),
+        ("zarr-python write", zarr_write_s, raw_write_s),
+        ("raw read", raw_read_s, raw_read_s),
+        ("store read (hidden(i))", store_read_s, raw_read_s),
+    ]:
+        print(f"{name:28}{seconds:10.2f}{gbs(seconds):8.2f}{base / seconds:8.2f}x")
+    print(
+        f"on disk: {on_disk / logical:.3f} x raw bytes (compression {logical / on_disk:.3f}x); "
+        f"page cache dropped before reads: {cold}"
+    )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from mopd.cli.main import cli
+from tests.store.synthetic import StoreSpec
+
+
+def test_inspect_lists_teachers_and_sizes(small_store: StoreSpec) -> None:
+    result = CliRunner().invoke(cli, ["inspect", small_store.root], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    for alias in ("math, reasoning", "code", "chat"):
+        assert alias in out
+    assert f"{len(small_store.lengths)} rows, {sum(small_store.lengths)} tokens" in out
+    assert "compression ratio" in out
+
+
+def test_inspect_incomplete_store_is_one_line_exit_1(small_store: StoreSpec) -> None:
+    from pathlib import Path
+
+    (Path(small_store.root) / "manifest.json").unlink()
+    result = CliRunner().invoke(cli, ["inspect", small_store.root])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: ") and "tasks are done" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_usage_error_is_exit_2() -> None:
+    assert CliRunner().invoke(cli, ["inspect"]).exit_code == 2
+    assert CliRunner().invoke(cli, ["no-such-command"]).exit_code == 2
+
+
+def test_version() -> None:
+    result = CliRunner().invoke(cli, ["--version"])
+    assert result.exit_code == 0 and result.stdout.startswith("mopd, version ")
