@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -214,15 +213,6 @@ class TeacherStore:
         return apply_logit_transform(
             logits, logit_scale=entry.logit_scale, final_logit_softcap=entry.final_logit_softcap
         )
-
-    def compression_ratio(self) -> float:
-        """Logical bytes of all hidden states over the bytes their shards take on disk."""
-        itemsize = 2 if self.manifest.storage.hidden_dtype == "bfloat16" else 4
-        logical = sum(
-            s.tokens * self._teachers[s.teacher or 0].hidden_size * itemsize for s in self.manifest.shards
-        )
-        stored = sum(s.bytes for s in self.manifest.shards)
-        return logical / stored if stored else math.nan
 
 
 def open_store(path: str | Path, *, zarr_store: Store | None = None) -> TeacherStore:

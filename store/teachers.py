@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mopd.store.errors import ManifestError
+from mopd.store.fsio import write_replace
 
 TEACHER_LIST_FILE = "teachers.json"
 
@@ -125,10 +126,10 @@ def diff_teacher_lists(
 
 
 def write_teacher_list(folder: Path, teachers: Sequence[TeacherIdentity]) -> Path:
-    """Writes the teacher list a training checkpoint records (JSON, sorted keys)."""
+    """Writes, atomically, the teacher list a training checkpoint records (JSON, sorted keys)."""
     path = folder / TEACHER_LIST_FILE
     payload = [{"index": t.index, "checkpoint": t.checkpoint, "fingerprint": t.fingerprint} for t in teachers]
-    path.write_text(json.dumps({"teachers": payload}, indent=2, sort_keys=True) + "\n")
+    write_replace(path, (json.dumps({"teachers": payload}, indent=2, sort_keys=True) + "\n").encode())
     return path
 
 

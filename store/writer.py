@@ -145,12 +145,8 @@ class StoreWriter:
 
     def _create_groups(self) -> None:
         # Every version of a group's zarr.json is identical, so concurrent jobs may each write it.
-        folders = {Path(".")}
-        for task in self.plan.tasks:
-            folders.update(Path(task.path).parents)
-            if task.kind != "lm_head":
-                folders.add(Path(task.path))
-        for folder in sorted(folders - {Path(task.path) for task in self.plan.tasks}):
+        folders = {parent for task in self.plan.tasks for parent in Path(task.path).parents}
+        for folder in sorted(folders):
             target = self.root / folder
             target.mkdir(parents=True, exist_ok=True)
             if not (target / "zarr.json").exists():

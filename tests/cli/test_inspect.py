@@ -34,3 +34,9 @@ def test_usage_error_is_exit_2() -> None:
 def test_version() -> None:
     result = CliRunner().invoke(cli, ["--version"])
     assert result.exit_code == 0 and result.stdout.startswith("mopd, version ")
+
+
+def test_debug_shows_the_traceback(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    result = CliRunner().invoke(cli, ["--debug", "inspect", str(tmp_path / "missing")])
+    assert result.exit_code == 1
+    assert result.exception is not None and "does not exist" in str(result.exception)
