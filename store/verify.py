@@ -41,7 +41,11 @@ def _check_artifact(root: Path, artifact: ArtifactRecord, *, full: bool) -> list
         return [f"{part_path.relative_to(root)}: file list does not match the manifest's hash"]
     problems = []
     for rel, (size, digest) in part.files.items():
-        path = folder / rel
+        try:
+            path = safe_join(folder, rel)
+        except MopdError as err:
+            problems.append(f"{part_path.relative_to(root)}: {err}")
+            continue
         if not path.is_file():
             problems.append(f"{artifact.path}/{rel}: missing")
         elif path.stat().st_size != size:

@@ -197,3 +197,25 @@ def test_reports_every_problem(small_store: StoreSpec, tmp_path: Path, as_json: 
     assert any("truncated" in p for p in problems)
     assert any("shard_000000: missing" in p and "teachers/2" in p for p in problems)
     assert any("added in the config" in p for p in problems)
+
+
+def test_part_record_paths_cannot_escape_the_store(small_store: StoreSpec) -> None:
+    from mopd.store.fsio import sha256_file
+
+    root = Path(small_store.root)
+    part_path = root / PARTS_DIR / "teacher_001_shard_000000.json"
+    part = json.loads(part_path.read_text())
+    part["files"]["../../../../../etc/hostname"] = [1, "0" * 64]
+    part_path.write_text(json.dumps(part))
+    # Make the manifest vouch for the tampered record so that only the path check stands in the way.
+    manifest = json.loads((root / MANIFEST_FILE).read_text())
+    for shard in manifest["shards"]:
+        if shard["task_id"] == "teacher_001_shard_000000":
+            from mopd.store.manifest import artifact_hash
+
+            shard["part_sha256"] = sha256_file(part_path)
+            shard["hash"] = artifact_hash({k: tuple(v) for k, v in part["files"].items()})
+    (root / MANIFEST_FILE).write_text(json.dumps(manifest))
+    lines = problem_lines(result := verify(small_store.root, "--full"))
+    assert result.exit_code == 1 and len(lines) == 1
+    assert "must be relative and stay inside the store" in lines[0]
