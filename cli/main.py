@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from mopd.cli.precompute_command import precompute_command
 from mopd.cli.store_commands import inspect_command, verify_manifest_command
 from mopd.store.errors import MopdError
 from mopd.store.version import __version__
@@ -34,6 +35,7 @@ def cli(debug: bool) -> None:
     """mopd: distil one student LLM from several teachers through stored teacher hidden states."""
 
 
+cli.add_command(precompute_command)
 cli.add_command(verify_manifest_command)
 cli.add_command(inspect_command)
 

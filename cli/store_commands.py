@@ -52,7 +52,7 @@ def verify_manifest_command(
     sys.exit(1 if problems else 0)
 
 
-def _size(num_bytes: float) -> str:
+def format_size(num_bytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if num_bytes < 1024 or unit == "TiB":
             return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{int(num_bytes)} B"
@@ -92,12 +92,12 @@ def inspect_command(store: Path) -> None:
             str(t.vocab_size),
             str(t.rows),
             str(t.tokens),
-            _size(t.stored_bytes),
-            _size(t.full_logit_bytes),
+            format_size(t.stored_bytes),
+            format_size(t.full_logit_bytes),
         )
     console.print(table)
     console.print(
         f"{summary.rows} rows, {summary.tokens} tokens; hidden states {summary.hidden_dtype}, codec "
-        f"{summary.codec}: {_size(summary.stored_bytes)} on disk, compression ratio "
+        f"{summary.codec}: {format_size(summary.stored_bytes)} on disk, compression ratio "
         f"{summary.compression_ratio:.3f}"
     )

@@ -44,9 +44,14 @@ class StoreConfig(_Section):
 
 class PrecomputeConfig(_Section):
     backend: Literal["hf", "vllm", "megatron"] = "hf"
+    # Padded tokens per forward batch (rows × longest row).
     batch_tokens: int = Field(16384, gt=0)
     device: str = "auto"
+    # Teacher compute dtype; auto = bfloat16 on GPU, float32 on CPU.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Rows of one teacher per task (the unit of resumption and of splitting across jobs).
     rows_per_task: int = Field(1024, gt=0)
+    trust_remote_code: bool = False
 
 
 class ParallelConfig(_Section):

@@ -1,0 +1,153 @@
+"""The `hf` teacher backend: transformers causal LMs on CPU or GPU.
+
+The capture is the input of the model's output layer (a forward pre-hook on `get_output_embeddings()`),
+i.e. the final hidden state after the last norm. After the capture the forward is stopped, so the
+teacher's [tokens × vocab] logits are never computed — except once, on a probe batch, to prove that
+`transform(capture · Wᵀ)` reproduces the model's own logits before anything is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from mopd.store.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """logits = softcap · tanh(scale · h·Wᵀ / softcap), either part optional."""
+
+    logit_scale: float | None = None
+    final_logit_softcap: float | None = None
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        if self.final_logit_softcap is not None:
+            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+        return logits
+
+
+def logit_transform(config: Any) -> LogitTransform:
+    """The logit post-transform a transformers config declares (Gemma softcap, Cohere/Granite scale)."""
+    scale = getattr(config, "logit_scale", None)  # Cohere: logits * logit_scale
+    granite = getattr(config, "logits_scaling", None)  # Granite: logits / logits_scaling
+    if granite not in (None, 1, 1.0):
+        scale = (scale or 1.0) / float(granite)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return LogitTransform(
+        logit_scale=None if scale in (None, 1, 1.0) else float(scale),
+        final_logit_softcap=None if not softcap else float(softcap),
+    )
+
+
+class _Captured(Exception):
+    """Raised by the capture hook to stop the forward before the output layer runs."""
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
+class HFTeacher:
+    """A loaded teacher that turns batches of token rows into final hidden states."""
+
+    name = "hf"
+
+    def __init__(
+        self, checkpoint: str, *, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.checkpoint = checkpoint
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                checkpoint, dtype=self.dtype, trust_remote_code=trust_remote_code
+            )
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"teacher {checkpoint}: cannot be loaded by transformers ({err})") from err
+        model.requires_grad_(False)
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
+        head = self.model.get_output_embeddings()
+        if head is None or getattr(head, "weight", None) is None:
+            raise ConfigError(f"teacher {checkpoint}: the model has no output embedding layer to capture")
+        self._head = head
+        self.transform = logit_transform(self.model.config)
+        self.hidden_size = int(head.weight.shape[1])
+        self.vocab_size = int(head.weight.shape[0])
+        self._captured: torch.Tensor | None = None
+        self._stop_after_capture = True
+        head.register_forward_pre_hook(self._capture)
+
+    def _capture(self, _module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        self._captured = args[0]
+        if self._stop_after_capture:
+            raise _Captured
+
+    def lm_head(self) -> torch.Tensor:
+        """The output layer's weight [V, H] on the CPU, in the dtype the teacher computes in."""
+        return self._head.weight.detach().to("cpu")
+
+    def _forward(self, rows: Sequence[np.ndarray], *, full: bool) -> tuple[torch.Tensor, Any]:
+        longest = max(len(r) for r in rows)
+        input_ids = torch.zeros(len(rows), longest, dtype=torch.long)
+        attention = torch.zeros(len(rows), longest, dtype=torch.long)
+        for b, row in enumerate(rows):  # right padding: real tokens keep positions 0..L-1
+            input_ids[b, : len(row)] = torch.from_numpy(np.asarray(row, dtype=np.int64))
+            attention[b, : len(row)] = 1
+        self._stop_after_capture = not full
+        output = None
+        with torch.inference_mode(), contextlib.suppress(_Captured):
+            output = self.model(
+                input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), use_cache=False
+            )
+        assert self._captured is not None
+        captured, self._captured = self._captured, None
+        return captured, output
+
+    def hidden_states(self, rows: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        """Final hidden states of each row, [L_i, H], on the CPU in the compute dtype; padding removed."""
+        captured, _ = self._forward(rows, full=False)
+        captured = captured.to("cpu")
+        return [captured[b, : len(row)] for b, row in enumerate(rows)]
+
+    def check_capture(self, rows: Sequence[np.ndarray]) -> float:
+        """Proves transform(capture · Wᵀ) equals the model's own logits on `rows`.
+
+        Returns:
+            The largest error relative to the largest logit magnitude.
+        Raises:
+            ConfigError: the logits are not expressible as transform(h · Wᵀ) (e.g. an output bias).
+        """
+        captured, output = self._forward(rows, full=True)
+        weight = self._head.weight.float()
+        worst = 0.0
+        for b, row in enumerate(rows):
+            own = output.logits[b, : len(row)].float()
+            rebuilt = self.transform.apply(captured[b, : len(row)].float() @ weight.T)
+            worst = max(worst, float((own - rebuilt).abs().max() / own.abs().max().clamp_min(1e-30)))
+        # fp32: only summation order differs; bf16: the model's own GEMM rounds its output to bf16.
+        tolerance = 1e-4 if self.dtype == torch.float32 else 2.0**-6
+        if worst > tolerance:
+            raise ConfigError(
+                f"teacher {self.checkpoint}: logits are not transform(h · Wᵀ) of the output layer's input "
+                f"(relative error {worst:.2e} > {tolerance:.0e} with transform {self.transform}); mopd "
+                "supports a logit scale and a final softcap only (no output bias or other post-processing)"
+            )
+        return worst

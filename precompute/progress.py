@@ -1,0 +1,50 @@
+"""The precompute progress bar: rows, tokens, tokens/s and ETA, on stderr."""
+
+from __future__ import annotations
+
+import time
+from types import TracebackType
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+class TokenProgress:
+    """Counts rows and tokens against a known total; silent when `enabled` is False."""
+
+    def __init__(self, *, total_rows: int, total_tokens: int, enabled: bool = True) -> None:
+        self.total_rows = total_rows
+        self.rows = 0
+        self.tokens = 0
+        self._start = time.perf_counter()
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[rows]}/{task.fields[total_rows]} rows"),
+            TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
+            TextColumn("{task.fields[rate]:,.0f} tok/s"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            disable=not enabled,
+        )
+        self._task = self._progress.add_task(
+            "precompute", total=max(1, total_tokens), rows=0, total_rows=total_rows, rate=0.0
+        )
+
+    def describe(self, text: str) -> None:
+        self._progress.update(self._task, description=text)
+
+    def advance(self, *, rows: int, tokens: int) -> None:
+        self.rows += rows
+        self.tokens += tokens
+        rate = self.tokens / max(1e-9, time.perf_counter() - self._start)
+        self._progress.update(self._task, advance=tokens, rows=self.rows, rate=rate)
+
+    def __enter__(self) -> TokenProgress:
+        self._progress.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._progress.stop()

@@ -1,0 +1,64 @@
+"""The teacher set of a precompute run: indices, fingerprints, one shared vocabulary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mopd.store.config import MopdConfig
+from mopd.store.errors import ConfigError
+from mopd.store.fingerprint import checkpoint_fingerprint, tokenizer_vocab, vocab_hash
+from mopd.store.teachers import TeacherSlot, alias_to_index, assign_teacher_indices
+
+
+@dataclass(frozen=True)
+class TeacherSet:
+    slots: list[TeacherSlot]
+    fingerprints: dict[int, str]
+    tokenizer_path: str
+    vocab_hash: str
+    vocab_size: int
+
+    @property
+    def alias_index(self) -> dict[str, int]:
+        return alias_to_index(self.slots)
+
+
+def resolve_teachers(config: MopdConfig) -> TeacherSet:
+    """Numbers the teachers, fingerprints them and checks they share the tokenizer's vocabulary.
+
+    Raises:
+        ConfigError: a checkpoint does not exist or is unreadable, or a vocabulary differs.
+    """
+    slots = assign_teacher_indices(config.teachers)
+    for slot in slots:
+        if not Path(slot.checkpoint).is_dir():
+            raise ConfigError(
+                f"teachers.{slot.aliases[0]}: checkpoint {slot.checkpoint} does not exist (mopd loads local "
+                "checkpoints only; download it first)"
+            )
+    tokenizer_path = config.tokenizer or slots[0].checkpoint
+    expected = vocab_hash(tokenizer_path)
+    for slot in slots:
+        if vocab_hash(slot.checkpoint) != expected:
+            raise ConfigError(
+                f"teachers.{slot.aliases[0]} ({slot.checkpoint}) has a different tokenizer vocabulary than "
+                f"{tokenizer_path}; all teachers and the student must share one vocabulary"
+            )
+    return TeacherSet(
+        slots=slots,
+        fingerprints={slot.index: checkpoint_fingerprint(slot.checkpoint) for slot in slots},
+        tokenizer_path=tokenizer_path,
+        vocab_hash=expected,
+        vocab_size=len(tokenizer_vocab(tokenizer_path)),
+    )
+
+
+def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"tokenizer {path} cannot be loaded ({err})") from err

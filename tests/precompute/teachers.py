@@ -1,0 +1,101 @@
+"""Tiny real transformers teachers built from config (no download), sharing one trained BPE tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    *(f"What is {a} plus {b}? The answer is {a + b}." for a in range(30) for b in range(0, 30, 7)),
+    *(f"def add_{i}(x, y):\n    return x + y * {i}\n" for i in range(40)),
+    *(f"Tell me about the weather in city number {i}. It is sunny and warm today." for i in range(40)),
+]
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_tokenizer(vocab_size: int = 400) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    core.train_from_iterator(CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def model_config(arch: str, *, vocab_size: int, hidden_size: int, **extra: Any) -> Any:
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=hidden_size // 16,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    classes = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "gemma2": transformers.Gemma2Config,
+        "phi": transformers.PhiConfig,
+    }
+    if arch == "gemma2":
+        common.update(head_dim=16, query_pre_attn_scalar=16)
+    return classes[arch](**{**common, **extra})
+
+
+def save_teacher(
+    folder: Path, arch: str, *, hidden_size: int, seed: int, tokenizer: Any, **extra: Any
+) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = model_config(arch, vocab_size=len(tokenizer), hidden_size=hidden_size, **extra)
+    model = AutoModelForCausalLM.from_config(config)
+    if arch == "phi":  # an output bias: logits that are not transform(h · Wᵀ)
+        with torch.no_grad():
+            model.lm_head.bias.normal_(0.0, 3.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def mixed_records(num_rows: int) -> list[dict[str, Any]]:
+    """Chat rows of four agents, of varied lengths."""
+    agents = ["math", "code", "chat", "reasoning"]
+    records = []
+    for i in range(num_rows):
+        question = CORPUS[(7 * i) % len(CORPUS)]
+        answer = " ".join(CORPUS[(11 * i + k) % len(CORPUS)] for k in range(1 + i % 4))
+        records.append(
+            {
+                "id": f"r{i}",
+                "agent": agents[i % 4],
+                "messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+            }
+        )
+    return records
