@@ -40,9 +40,9 @@ CHUNK_BYTES = 8 << 20
 
 
 def ragged_lengths(total: int, rng: np.random.Generator) -> list[int]:
-    lengths = []
+    lengths: list[int] = []
     while sum(lengths) < total:
-        lengths.append(int(min(rng.integers(1, 4097), total - sum(lengths))))
+        lengths.append(min(int(rng.integers(1, 4097)), total - sum(lengths)))
     return lengths
 
 
@@ -68,7 +68,7 @@ def drop_page_cache() -> bool:
 def raw_write(path: Path, data: np.ndarray) -> float:
     start = time.perf_counter()
     with path.open("wb") as f:
-        f.write(memoryview(data).cast("B"))
+        f.write(data.tobytes())
         f.flush()
         os.fsync(f.fileno())
     return time.perf_counter() - start

@@ -92,6 +92,10 @@ def load_records(path: str | Path) -> Any:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except ConfigError:
         raise
+    except ValueError as err:
+        if "corresponds to no data" in str(err):  # datasets' way of saying the file has no rows
+            raise ConfigError(f"data.path {path} holds no rows") from err
+        raise ConfigError(f"data.path {path}: cannot be read as a dataset ({err})") from err
     except Exception as err:
         raise ConfigError(
             f"data.path {path}: cannot be read as a dataset ({type(err).__name__}: {err})"

@@ -140,6 +140,8 @@ class HFTeacher:
         worst = 0.0
         for b, row in enumerate(rows):
             own = output.logits[b, : len(row)].float()
+            if not torch.isfinite(own).all():
+                continue  # refused, naming the row, when its hidden states are written
             rebuilt = self.transform.apply(captured[b, : len(row)].float() @ weight.T)
             worst = max(worst, float((own - rebuilt).abs().max() / own.abs().max().clamp_min(1e-30)))
         # fp32: only summation order differs; bf16: the model's own GEMM rounds its output to bf16.

@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -118,10 +118,19 @@ def _load_teacher(config: MopdConfig, backend: str, checkpoint: str) -> HFTeache
     return HFTeacher(checkpoint, device=pc.device, dtype=pc.dtype, trust_remote_code=pc.trust_remote_code)
 
 
-def _run_hidden_task(
+class HiddenStateModel(Protocol):
+    """What a hidden-state task needs of a loaded teacher, whatever its backend."""
+
+    checkpoint: str
+    hidden_size: int
+
+    def hidden_states(self, rows: Sequence[np.ndarray]) -> list[torch.Tensor]: ...
+
+
+def run_hidden_task(
     writer: StoreWriter,
     task: TaskSpec,
-    teacher: HFTeacher,
+    teacher: HiddenStateModel,
     rows: TokenizedRows,
     config: MopdConfig,
     progress: TokenProgress,
@@ -233,7 +242,7 @@ def run_precompute(
                             final_logit_softcap=teacher.transform.final_logit_softcap,
                         )
                 else:
-                    _run_hidden_task(writer, task, teacher, rows, config, progress)
+                    run_hidden_task(writer, task, teacher, rows, config, progress)
                 computed.append(task.task_id)
             del teacher
     elapsed = time.perf_counter() - start

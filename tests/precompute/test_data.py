@@ -1,0 +1,113 @@
+"""Dataset ingest: every accepted input, the loss-mask convention, max_length, routing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+
+from mopd.precompute.data import load_records, route, tokenize_dataset
+from mopd.store.config import DataConfig, RoutingConfig
+from mopd.store.errors import ConfigError
+from tests.precompute.teachers import make_tokenizer, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # type: ignore[no-untyped-def]
+    return make_tokenizer()
+
+
+def tokenize(records: list[dict], tokenizer, **data) -> object:  # type: ignore[no-untyped-def]
+    ds = datasets.Dataset.from_list(records)
+    return tokenize_dataset(
+        ds,
+        data=DataConfig(path="x", **data),
+        routing=RoutingConfig(),
+        agent_to_alias={"a": "a", "b": "b"},
+        alias_index={"a": 0, "b": 1},
+        tokenizer=tokenizer,
+    )
+
+
+def test_input_ids_with_and_without_mask(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    rows = tokenize(
+        [
+            {"agent": "a", "input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 0]},
+            {"agent": "b", "input_ids": [9, 10, 11]},
+        ],
+        tokenizer,
+    )
+    assert rows.input_format == "input_ids"
+    assert rows.input_ids[0].tolist() == [5, 6, 7, 8] and rows.loss_mask[0].tolist() == [0, 1, 1, 0]
+    assert rows.loss_mask[1].tolist() == [1, 1, 0]  # every next token trains; the last position has none
+    assert rows.teacher_index.tolist() == [0, 1]
+
+
+def test_prompt_completion_trains_completion_only(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    rows = tokenize(
+        [{"agent": "a", "prompt": "What is 3 plus 4?", "completion": " The answer is 7."}], tokenizer
+    )
+    prompt = tokenizer("What is 3 plus 4?")["input_ids"]
+    completion = tokenizer(" The answer is 7.", add_special_tokens=False)["input_ids"]
+    assert rows.input_ids[0].tolist() == prompt + completion
+    # Position t predicts token t+1: the prompt's last position predicts the first completion token.
+    expected = [0] * (len(prompt) - 1) + [1] * len(completion) + [0]
+    assert rows.loss_mask[0].tolist() == expected
+
+
+def test_messages_train_assistant_turns_only(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    messages = [
+        {"role": "user", "content": "What is 1 plus 2?"},
+        {"role": "assistant", "content": "The answer is 3."},
+        {"role": "user", "content": "And 2 plus 2?"},
+        {"role": "assistant", "content": "It is 4."},
+    ]
+    rows = tokenize([{"agent": "b", "messages": messages}], tokenizer)
+    ids, mask = rows.input_ids[0], rows.loss_mask[0]
+    assert ids.tolist() == list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+    trained_tokens = [int(ids[t + 1]) for t in np.flatnonzero(mask)]
+    text = tokenizer.decode(trained_tokens)
+    assert text == "The answer is 3.<|im_end|>\nIt is 4.<|im_end|>\n"
+
+
+def test_text_and_max_length_policies(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    records = [
+        {"agent": "a", "text": "def add_1(x, y):\n    return x + y * 1\n"},
+        {"agent": "b", "text": "hi"},
+    ]
+    full = tokenize(records, tokenizer, max_length=1000)
+    long = len(full.input_ids[0])
+    cut = tokenize(records, tokenizer, max_length=long - 3)
+    assert cut.num_truncated == 1 and cut.num_dropped == 0
+    assert cut.input_ids[0].tolist() == full.input_ids[0][: long - 3].tolist()
+    assert cut.loss_mask[0][-1] == 0 and cut.loss_mask[0][:-1].all()
+    dropped = tokenize(records, tokenizer, max_length=long - 3, overlong="drop")
+    assert dropped.num_dropped == 1 and dropped.num_rows == 1 and dropped.agents == ["b"]
+
+
+def test_every_file_format_loads(tmp_path: Path) -> None:
+    records = [{"agent": "a", "text": f"row {i}"} for i in range(3)]
+    ds = datasets.Dataset.from_list(records)
+    write_jsonl(tmp_path / "d.jsonl", records)
+    ds.to_json(tmp_path / "d.json", lines=False)
+    ds.to_parquet(tmp_path / "d.parquet")
+    ds.save_to_disk(tmp_path / "saved")
+    arrow = next((tmp_path / "saved").glob("*.arrow"))
+    for path in [
+        tmp_path / "d.jsonl",
+        tmp_path / "d.json",
+        tmp_path / "d.parquet",
+        tmp_path / "saved",
+        arrow,
+    ]:
+        loaded = load_records(path)
+        assert [r["text"] for r in loaded] == ["row 0", "row 1", "row 2"], path
+
+
+def test_routing_default_and_unknown_agent() -> None:
+    routing = RoutingConfig(default_teacher="b")
+    assert route(["a", "zzz"], routing, {"a": "a"}, {"a": 0, "b": 1}).tolist() == [0, 1]
+    with pytest.raises(ConfigError, match=r"row 1: agent 'zzz' has no teacher"):
+        route(["a", "zzz"], RoutingConfig(), {"a": "a"}, {"a": 0})

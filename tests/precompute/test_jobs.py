@@ -1,0 +1,101 @@
+"""Acceptance: N jobs split the work into a byte-identical store; SIGKILLed runs resume without rework."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mopd.store.fsio import file_digests, is_temporary
+from mopd.store.manifest import MANIFEST_FILE, PARTS_DIR
+from tests.precompute.conftest import write_config
+from tests.precompute.teachers import mixed_records, write_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def precompute_cmd(config: Path, store: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "mopd.cli", "precompute", str(config), "--store", str(store), *args]
+
+
+def run(cmd: list[str]) -> str:
+    proc = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"}
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr
+
+
+def store_contents(store: Path) -> dict[str, tuple[int, str]]:
+    """Every file's digest, temporaries left out; the manifest without its volatile fields."""
+    digests = {
+        path: value
+        for path, value in file_digests(store).items()
+        if not any(is_temporary(part) for part in path.split("/")) and path != MANIFEST_FILE
+    }
+    manifest = json.loads((store / MANIFEST_FILE).read_text())
+    manifest.pop("volatile")
+    digests[MANIFEST_FILE] = (0, json.dumps(manifest, sort_keys=True))
+    return digests
+
+
+@pytest.fixture
+def job_config(tmp_path: Path, tiny_teachers: dict[str, Path]) -> Path:
+    data = write_jsonl(tmp_path / "train.jsonl", mixed_records(40))
+    teachers = {
+        "math": tiny_teachers["llama"],
+        "code": tiny_teachers["qwen2"],
+        "chat": tiny_teachers["llama_small"],
+        "reasoning": tiny_teachers["llama"],
+    }
+    return write_config(tmp_path, teachers, data=data, precompute={"rows_per_task": 2})
+
+
+def test_three_jobs_in_any_order_equal_one_job(job_config: Path, tmp_path: Path) -> None:
+    single = tmp_path / "single.zarr"
+    run(precompute_cmd(job_config, single))
+    split = tmp_path / "split.zarr"
+    for index in (2, 0, 1):
+        log = run(precompute_cmd(job_config, split, "--num-tasks", "3", "--task-index", str(index)))
+        finalized = (split / MANIFEST_FILE).exists()
+        assert finalized == (index == 1), log  # the job that completes the last task writes the manifest
+    assert store_contents(split) == store_contents(single)
+    assert len(store_contents(single)) > 100
+
+
+def test_sigkill_at_random_points_then_resume(job_config: Path, tmp_path: Path) -> None:
+    reference = tmp_path / "reference.zarr"
+    run(precompute_cmd(job_config, reference))
+    total = len(list((reference / PARTS_DIR).glob("*.json")))
+    store = tmp_path / "killed.zarr"
+    rng = random.Random(1234)
+    kill_points = sorted(rng.sample(range(1, total - 3), 3))
+    for k in kill_points:
+        proc = subprocess.Popen(
+            precompute_cmd(job_config, store), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            parts = store / PARTS_DIR
+            if parts.exists() and len(list(parts.glob("*.json"))) >= k:
+                time.sleep(rng.uniform(0.0, 0.02))
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.002)
+        assert proc.wait(timeout=30) == -signal.SIGKILL, "the run ended before it could be killed"
+        assert not (store / MANIFEST_FILE).exists()
+    done_before = len(list((store / PARTS_DIR).glob("*.json")))
+    assert done_before >= kill_points[-1]
+    log = run(precompute_cmd(job_config, store))
+    computed, skipped = map(int, re.search(r"computed (\d+) tasks, skipped (\d+) already done", log).groups())
+    assert (computed, skipped) == (total - done_before, done_before)  # finished tasks were not redone
+    assert store_contents(store) == store_contents(reference)
