@@ -10,28 +10,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from mopd.store.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class LogitTransform:
-    """logits = softcap · tanh(scale · h·Wᵀ / softcap), either part optional."""
-
-    logit_scale: float | None = None
-    final_logit_softcap: float | None = None
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.logit_scale is not None:
-            logits = logits * self.logit_scale
-        if self.final_logit_softcap is not None:
-            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
-        return logits
+from mopd.store.transform import LogitTransform
 
 
 def logit_transform(config: Any) -> LogitTransform:

@@ -24,6 +24,7 @@ from mopd.store.manifest import (
     load_manifest,
     load_plan,
 )
+from mopd.store.transform import LogitTransform
 
 
 @dataclass(frozen=True)
@@ -33,17 +34,6 @@ class Row:
     input_ids: torch.Tensor  # [L] int64
     loss_mask: torch.Tensor  # [L] bool
     teacher_index: int
-
-
-def apply_logit_transform(
-    logits: torch.Tensor, *, logit_scale: float | None, final_logit_softcap: float | None
-) -> torch.Tensor:
-    """softcap · tanh(scale · logits / softcap), with either part optional."""
-    if logit_scale is not None:
-        logits = logits * logit_scale
-    if final_logit_softcap is not None:
-        logits = torch.tanh(logits / final_logit_softcap) * final_logit_softcap
-    return logits
 
 
 def task_progress(root: Path) -> tuple[int, int]:
@@ -210,9 +200,7 @@ class TeacherStore:
         """The row's teacher logits rebuilt from its hidden states, transform applied, fp32 [L, V]."""
         entry = self.teacher(self.row(i).teacher_index)
         logits = self.hidden(i).float() @ self.lm_head(entry.index).float().T
-        return apply_logit_transform(
-            logits, logit_scale=entry.logit_scale, final_logit_softcap=entry.final_logit_softcap
-        )
+        return LogitTransform(entry.logit_scale, entry.final_logit_softcap).apply(logits)
 
 
 def open_store(path: str | Path, *, zarr_store: Store | None = None) -> TeacherStore:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -32,7 +33,9 @@ def _entry(
             value = worker(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, "ok", value))
+        # Plain pickle copies tensor data into the message; the queue's own pickler would pass shared
+        # memory handles that die with this process.
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
 
@@ -85,4 +88,4 @@ def run_distributed(
     if errors:
         rank = min(errors)
         raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
-    return [outcome[r][1] for r in range(world_size)]
+    return [pickle.loads(outcome[r][1]) for r in range(world_size)]

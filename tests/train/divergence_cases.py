@@ -1,0 +1,66 @@
+"""Random inputs for divergence tests: a student and up to three teachers of different hidden sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mopd.store.transform import LogitTransform
+
+
+@dataclass
+class Case:
+    student_hidden: torch.Tensor  # [N, Hs]
+    student_head: torch.Tensor  # [V, Hs]
+    teacher_hidden: dict[int, torch.Tensor]  # teacher -> [N_t, H_t] in token order
+    teacher_heads: dict[int, torch.Tensor]
+    teacher_index: torch.Tensor  # [N]
+    weights: torch.Tensor
+    transforms: dict[int, LogitTransform] = field(default_factory=dict)
+
+    def to(self, dtype: torch.dtype) -> Case:
+        def conv(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(dtype).requires_grad_(t.requires_grad)
+
+        return Case(
+            conv(self.student_hidden),
+            conv(self.student_head),
+            {k: v.to(dtype) for k, v in self.teacher_hidden.items()},
+            {k: v.to(dtype) for k, v in self.teacher_heads.items()},
+            self.teacher_index,
+            self.weights.to(torch.float64 if dtype == torch.float64 else torch.float32),
+            self.transforms,
+        )
+
+
+def make_case(
+    *,
+    num_tokens: int = 23,
+    vocab: int = 97,
+    student_size: int = 16,
+    teachers: int = 1,
+    softcap: bool = False,
+    seed: int = 0,
+    scale: float = 1.0,
+) -> Case:
+    g = torch.Generator().manual_seed(seed)
+    sizes = [24, 40, 24][:teachers]  # two of the three teachers differ in hidden size
+    teacher_index = torch.randint(0, teachers, (num_tokens,), generator=g)
+    teacher_index[:teachers] = torch.arange(teachers)  # every teacher present
+    hidden = {
+        t: torch.randn(int((teacher_index == t).sum()), sizes[t], generator=g) * scale
+        for t in range(teachers)
+    }
+    heads = {t: torch.randn(vocab, sizes[t], generator=g) / sizes[t] ** 0.5 for t in range(teachers)}
+    transforms = {0: LogitTransform(final_logit_softcap=2.5)} if softcap else {}
+    weights = torch.rand(num_tokens, generator=g) * (torch.rand(num_tokens, generator=g) > 0.2)
+    return Case(
+        student_hidden=(torch.randn(num_tokens, student_size, generator=g) * scale).requires_grad_(),
+        student_head=(torch.randn(vocab, student_size, generator=g) / student_size**0.5).requires_grad_(),
+        teacher_hidden=hidden,
+        teacher_heads=heads,
+        teacher_index=teacher_index,
+        weights=weights / weights.sum(),
+        transforms=transforms,
+    )

@@ -1,0 +1,190 @@
+"""Acceptance: the fused kernel against an fp64 reference, self-distillation, and its input errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from mopd.train.divergence import KINDS, linear_divergence
+from mopd.train.divergence_reference import reference_divergence
+from tests.train.divergence_cases import Case, make_case
+
+
+def run_fused(
+    case: Case,
+    *,
+    kind: str,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+    beta: float = 0.5,
+    hidden_as_tensor: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    hs = case.student_hidden.detach().clone().requires_grad_()
+    ws = case.student_head.detach().clone().requires_grad_()
+    teacher_hidden = case.teacher_hidden
+    if hidden_as_tensor:  # [N, Ht] form: only when every teacher has the same hidden size
+        (size,) = {h.shape[1] for h in teacher_hidden.values()}
+        full = torch.zeros(hs.shape[0], size, dtype=hs.dtype)
+        for t, rows in teacher_hidden.items():
+            full[case.teacher_index == t] = rows
+        teacher_hidden = full  # type: ignore[assignment]
+    out = linear_divergence(
+        hs,
+        ws,
+        teacher_hidden,
+        case.teacher_heads,
+        case.teacher_index,
+        kind=kind,
+        beta=beta,
+        temperature=temperature,
+        weights=case.weights,
+        chunk_size=chunk,
+        teacher_transforms=case.transforms,
+    )
+    out.loss.backward()
+    assert hs.grad is not None and ws.grad is not None
+    return out.loss.detach(), out.per_token, hs.grad, ws.grad
+
+
+def run_reference(case: Case, *, kind: str, temperature: float = 1.0, beta: float = 0.5):  # type: ignore[no-untyped-def]
+    c = case.to(torch.float64)
+    out = reference_divergence(
+        c.student_hidden,
+        c.student_head,
+        c.teacher_hidden,
+        c.teacher_heads,
+        c.teacher_index,
+        kind=kind,
+        beta=beta,
+        temperature=temperature,
+        weights=c.weights,
+        teacher_transforms=c.transforms,
+    )
+    out.loss.backward()
+    return out.loss.detach(), out.per_token, c.student_hidden.grad, c.student_head.grad
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize(
+    ("kind", "temperature", "chunk", "teachers", "softcap"),
+    list(itertools.product(KINDS, [1.0, 0.7], [1, 7, 64], [1, 3], [False, True])),
+)
+def test_fp32_matches_fp64_reference(
+    kind: str, temperature: float, chunk: int, teachers: int, softcap: bool
+) -> None:
+    case = make_case(teachers=teachers, softcap=softcap, seed=teachers * 10 + softcap)
+    got = run_fused(case, kind=kind, temperature=temperature, chunk=chunk)
+    want = run_reference(case, kind=kind, temperature=temperature)
+    for name, g, w in zip(("loss", "per_token", "grad_hidden", "grad_head"), got, want, strict=True):
+        assert rel_err(g, w) <= 1e-5, (name, rel_err(g, w))
+
+
+def test_teacher_hidden_as_one_tensor_equals_mapping() -> None:
+    case = make_case(teachers=3)
+    case.teacher_hidden[1] = case.teacher_hidden[1][:, :24]
+    case.teacher_heads[1] = case.teacher_heads[1][:, :24]
+    a = run_fused(case, kind="reverse_kl", chunk=5)
+    b = run_fused(case, kind="reverse_kl", chunk=5, hidden_as_tensor=True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_inputs_within_1e2(kind: str) -> None:
+    case = make_case(teachers=3, softcap=True, seed=5).to(torch.bfloat16)
+    got = run_fused(case, kind=kind, chunk=7)
+    want = run_reference(case, kind=kind)  # fp64 from the same bf16 values
+    for name, g, w in zip(("loss", "per_token", "grad_hidden", "grad_head"), got, want, strict=True):
+        assert rel_err(g, w) <= 1e-2, (name, rel_err(g, w))
+
+
+def test_logits_are_not_rounded_to_bf16() -> None:
+    # Logits near 300 with differences of ~0.1: bf16 spacing there is 2.0, so rounding the logits to bf16
+    # before the softmax would change the distributions completely.
+    case = make_case(teachers=1, seed=7, scale=1.0)
+    base_s = torch.full_like(case.student_head, 0.0)
+    base_s[:, 0] = 1.0
+    case.student_hidden = (
+        torch.full_like(case.student_hidden, 0.0) + torch.randn_like(case.student_hidden) * 0.02
+    ).requires_grad_()
+    case.student_hidden.data[:, 0] = 300.0
+    case.student_head = (base_s + torch.randn_like(base_s) * 0.002).requires_grad_()
+    case = case.to(torch.bfloat16)
+    fused = run_fused(case, kind="reverse_kl", chunk=7)
+    want = run_reference(case, kind="reverse_kl")
+    assert rel_err(fused[1], want[1]) <= 1e-2
+    rounded = case.to(torch.float64)
+    zs = (rounded.student_hidden @ rounded.student_head.T).to(torch.bfloat16).double()
+    exact = rounded.student_hidden @ rounded.student_head.T
+    assert (zs - exact).abs().max() > 0.5  # the check above would have failed with bf16 logits
+
+
+@pytest.mark.parametrize("kind", ["reverse_kl", "forward_kl", "jsd"])
+def test_self_distillation_is_zero(kind: str) -> None:
+    case = make_case(teachers=1, student_size=24, seed=3)
+    case.teacher_hidden = {0: case.student_hidden.detach().clone()}
+    case.teacher_heads = {0: case.student_head.detach().clone()}
+    _, per_token, grad_h, grad_w = run_fused(case, kind=kind, chunk=5)
+    assert per_token.abs().max() <= 1e-6
+    assert grad_h.abs().max() <= 1e-6 and grad_w.abs().max() <= 1e-6
+
+
+def test_kl_is_cross_entropy_minus_entropy() -> None:
+    case = make_case(teachers=3, softcap=True, seed=9)
+    kl = run_fused(case, kind="reverse_kl", chunk=4)[1]
+    ce = run_fused(case, kind="cross_entropy", chunk=4)[1]
+    h = run_fused(case, kind="entropy", chunk=4)[1]
+    assert (kl - (ce - h)).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_jsd_degenerate_beta_is_zero(beta: float) -> None:
+    case = make_case(teachers=3, seed=2)
+    _, per_token, grad_h, grad_w = run_fused(case, kind="jsd", beta=beta, chunk=6)
+    assert per_token.abs().max() == 0 and grad_h.abs().max() == 0 and grad_w.abs().max() == 0
+    want = run_reference(case, kind="jsd", beta=beta)
+    assert want[1].abs().max() <= 1e-12
+
+
+def test_frozen_student_head_gets_no_gradient() -> None:
+    case = make_case(teachers=1)
+    hs = case.student_hidden.detach().clone().requires_grad_()
+    out = linear_divergence(hs, case.student_head.detach(), case.teacher_hidden, case.teacher_heads, None)
+    out.loss.backward()
+    assert hs.grad is not None and hs.grad.abs().max() > 0
+
+
+def call(case: Case, **changes):  # type: ignore[no-untyped-def]
+    args = {
+        "student_hidden": case.student_hidden,
+        "student_head": case.student_head,
+        "teacher_hidden": case.teacher_hidden,
+        "teacher_heads": case.teacher_heads,
+        "teacher_index": case.teacher_index,
+        **changes,
+    }
+    return linear_divergence(**args)
+
+
+def test_input_errors_name_the_problem() -> None:
+    case = make_case(teachers=3)
+    with pytest.raises(ValueError, match=r"routed to teacher 2, but no head was given"):
+        call(case, teacher_heads={0: case.teacher_heads[0], 1: case.teacher_heads[1]})
+    with pytest.raises(ValueError, match=r"teacher_index is required when 3 teacher heads"):
+        call(case, teacher_index=None)
+    with pytest.raises(ValueError, match=r"teacher_index has shape \(22,\), expected \(23,\)"):
+        call(case, teacher_index=case.teacher_index[:-1])
+    with pytest.raises(ValueError, match=r"same local vocabulary size and dtype"):
+        call(case, teacher_heads={**case.teacher_heads, 1: case.teacher_heads[1][:-1]})
+    with pytest.raises(ValueError, match=r"same local vocabulary size and dtype"):
+        call(case, teacher_heads={**case.teacher_heads, 1: case.teacher_heads[1].double()})
+    with pytest.raises(ValueError, match=r"student and teachers must share the vocabulary"):
+        call(case, student_head=case.student_head[:-1])
+    with pytest.raises(ValueError, match=r"teacher 1: \d+ hidden rows for \d+ routed tokens"):
+        call(case, teacher_hidden={**case.teacher_hidden, 1: case.teacher_hidden[1][:-1]})
+    with pytest.raises(ValueError, match=r"kind 'kl' is not one of"):
+        call(case, kind="kl")

@@ -1,0 +1,1 @@
+"""mopd.train: divergence kernels and (later) the student trainer."""

@@ -1,0 +1,287 @@
+"""Fused, chunked, vocabulary-parallel divergences: student vs teachers rebuilt from hidden states.
+
+Legend: N tokens, C tokens in a chunk, V this tensor-parallel rank's vocabulary slice (V_local),
+Hs / Ht student / teacher hidden sizes. `x_NH` is [N, H], `logits_CV` is [C, V], and so on.
+
+Per chunk, both sides' logits come from a GEMM in fp32; the softmax statistics are global over the
+tensor-parallel group (all-reduce MAX, then SUM of exp; student and teacher stacked in one collective),
+padded vocabulary columns are masked out, and the per-token value and its gradient are formed at once.
+Collectives carry O(C) numbers per chunk; nothing of size N × V exists at any time.
+
+Gradients are computed in the forward pass (as Liger's fused linear losses do) and scaled by the
+incoming gradient in backward. Recomputing in backward instead would run both GEMMs of every chunk
+twice (the teacher GEMM is the larger half with several teachers) to save one [N, Hs] and one [V, Hs]
+buffer — parameter-sized memory we hold anyway for the optimizer step.
+
+Every kind's gradient with respect to the student logits has the form p_s ⊙ (u − ⟨p_s, u⟩), with
+u = ∂value/∂p_s (forward KL is written directly as p_s − p_t). Values and gradients are with respect
+to the tempered logits z = logits / T; the chain rule's 1/T is applied to the GEMM gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mopd.store.transform import LogitTransform
+
+KINDS = ("reverse_kl", "forward_kl", "jsd", "cross_entropy", "entropy", "tvd")
+
+
+@dataclass(frozen=True)
+class DivergenceOutput:
+    loss: torch.Tensor  # scalar, Σ_n weights_n · value_n, differentiable w.r.t. student hidden and head
+    per_token: torch.Tensor  # [N] fp32, detached
+
+
+def _check_inputs(
+    student_hidden: torch.Tensor,
+    student_head: torch.Tensor,
+    teacher_hidden: torch.Tensor | Mapping[int, torch.Tensor],
+    teacher_heads: Mapping[int, torch.Tensor],
+    teacher_index: torch.Tensor | None,
+    kind: str,
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Validates the call; returns the per-token teacher index and each teacher's hidden rows."""
+    if kind not in KINDS:
+        raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+    if not teacher_heads:
+        raise ValueError("teacher_heads is empty; give at least one teacher's LM-head shard")
+    num_tokens = student_hidden.shape[0]
+    heads = dict(teacher_heads)
+    first = next(iter(heads.values()))
+    for idx, head in heads.items():
+        if head.shape[0] != first.shape[0] or head.dtype != first.dtype:
+            raise ValueError(
+                f"teacher {idx}'s head is [{head.shape[0]}, ·] {head.dtype}, another is "
+                f"[{first.shape[0]}, ·] {first.dtype}; every teacher head must have the same local "
+                "vocabulary size and dtype"
+            )
+    if student_head.shape[0] != first.shape[0]:
+        raise ValueError(
+            f"student head has {student_head.shape[0]} vocabulary rows, teacher heads {first.shape[0]}: "
+            "student and teachers must share the vocabulary (and its tensor-parallel split)"
+        )
+    if student_head.shape[1] != student_hidden.shape[1]:
+        raise ValueError(
+            f"student hidden size {student_hidden.shape[1]} ≠ student head {student_head.shape[1]}"
+        )
+    if teacher_index is None:
+        if len(heads) != 1:
+            raise ValueError(
+                f"teacher_index is required when {len(heads)} teacher heads are given ({sorted(heads)}); "
+                "mopd never defaults a token to a teacher"
+            )
+        teacher_index = torch.full((num_tokens,), next(iter(heads)), dtype=torch.long)
+    teacher_index = teacher_index.to(device="cpu", dtype=torch.long)
+    if teacher_index.shape != (num_tokens,):
+        raise ValueError(f"teacher_index has shape {tuple(teacher_index.shape)}, expected ({num_tokens},)")
+    present = sorted(set(teacher_index.unique().tolist()))
+    absent = [t for t in present if t not in heads]
+    if absent:
+        raise ValueError(
+            f"tokens are routed to teacher {absent[0]}, but no head was given for it (heads: {sorted(heads)})"
+        )
+    rows: dict[int, torch.Tensor] = {}
+    for t in present:
+        count = int((teacher_index == t).sum())
+        if isinstance(teacher_hidden, Mapping):
+            if t not in teacher_hidden:
+                raise ValueError(f"teacher {t} has {count} tokens but no hidden states in teacher_hidden")
+            rows[t] = teacher_hidden[t]
+        else:
+            rows[t] = teacher_hidden[(teacher_index == t).to(teacher_hidden.device)]
+        if rows[t].shape[0] != count:
+            raise ValueError(f"teacher {t}: {rows[t].shape[0]} hidden rows for {count} routed tokens")
+        if rows[t].shape[1] != heads[t].shape[1]:
+            raise ValueError(f"teacher {t}: hidden size {rows[t].shape[1]} ≠ its head's {heads[t].shape[1]}")
+    if not isinstance(teacher_hidden, Mapping) and teacher_hidden.shape[0] != num_tokens:
+        raise ValueError(f"teacher_hidden has {teacher_hidden.shape[0]} rows, student_hidden {num_tokens}")
+    return teacher_index, rows
+
+
+def _all_reduce(x: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _chunk_value_and_grad(
+    zs_CV: torch.Tensor, zt_CV: torch.Tensor, valid_V: torch.Tensor | None, kind: str, beta: float, group: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token value [C] and d value / d z_s [C, V] from tempered logits (masked columns = −inf)."""
+    stats_max = _all_reduce(torch.stack([zs_CV.amax(1), zt_CV.amax(1)], 1), dist.ReduceOp.MAX, group)
+    shifted_s = zs_CV - stats_max[:, :1]
+    shifted_t = zt_CV - stats_max[:, 1:]
+    sums = _all_reduce(
+        torch.stack([shifted_s.exp().sum(1), shifted_t.exp().sum(1)], 1), dist.ReduceOp.SUM, group
+    )
+    logp_s = shifted_s - sums[:, :1].log()
+    logp_t = shifted_t - sums[:, 1:].log()
+    p_s, p_t = logp_s.exp(), logp_t.exp()
+    if valid_V is not None:  # padded columns: p = 0; make log p finite so that 0 · log p = 0
+        logp_s = logp_s.masked_fill(~valid_V, 0.0)
+        logp_t = logp_t.masked_fill(~valid_V, 0.0)
+
+    if kind == "forward_kl":
+        value = _all_reduce((p_t * (logp_t - logp_s)).sum(1), dist.ReduceOp.SUM, group)
+        return value, p_s - p_t
+    if kind == "jsd" and beta in (0.0, 1.0):  # m equals one side: both terms vanish
+        return torch.zeros_like(stats_max[:, 0]), torch.zeros_like(zs_CV)
+    if kind in ("reverse_kl", "cross_entropy", "entropy"):
+        u = {"reverse_kl": logp_s - logp_t, "cross_entropy": -logp_t, "entropy": -logp_s}[kind]
+        value = _all_reduce((p_s * u).sum(1), dist.ReduceOp.SUM, group)
+        return value, p_s * (u - value[:, None])
+    if kind == "jsd":
+        logm = torch.logaddexp(
+            logp_t + torch.log(torch.tensor(beta)), logp_s + torch.log(torch.tensor(1 - beta))
+        )
+        terms = beta * p_t * (logp_t - logm) + (1 - beta) * p_s * (logp_s - logm)
+        u = (1 - beta) * (logp_s - logm)
+    else:  # tvd; sign(0) = 0, the subgradient autograd takes for |x| at 0
+        terms = 0.5 * (p_s - p_t).abs()
+        u = 0.5 * torch.sign(p_s - p_t)
+    reduced = _all_reduce(torch.stack([terms.sum(1), (p_s * u).sum(1)], 1), dist.ReduceOp.SUM, group)
+    return reduced[:, 0], p_s * (u - reduced[:, 1:])
+
+
+class _FusedLinearDivergence(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        student_hidden: torch.Tensor,
+        student_head: torch.Tensor,
+        plan: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hs_NH = student_hidden.detach().float()
+        ws_VH = student_head.detach().float()
+        order, rows, heads, transforms = plan["order"], plan["rows"], plan["heads"], plan["transforms"]
+        index_sorted, weights_N, temperature = plan["index_sorted"], plan["weights"], plan["temperature"]
+        valid_V, group, chunk = plan["valid"], plan["group"], plan["chunk_size"]
+        num_tokens = hs_NH.shape[0]
+        grad_hs_NH = torch.zeros_like(hs_NH)
+        grad_ws_VH = torch.zeros_like(ws_VH) if student_head.requires_grad else None
+        values_N = torch.zeros(num_tokens, dtype=torch.float32, device=hs_NH.device)
+        # Each teacher's rows are consumed in token order; `cursor` is the next unread row per teacher.
+        cursor = dict.fromkeys(rows, 0)
+        for start in range(0, num_tokens, chunk):
+            tokens_C = order[start : start + chunk]
+            teachers_C = index_sorted[start : start + chunk]
+            hs_CH = hs_NH[tokens_C]
+            zs_CV = (hs_CH @ ws_VH.T) / temperature
+            zt_CV = torch.empty_like(zs_CV)
+            for t in teachers_C.unique().tolist():  # one GEMM per teacher present in the chunk
+                where = (teachers_C == t).nonzero().squeeze(1)
+                first = cursor[t]
+                cursor[t] += where.shape[0]
+                ht = rows[t][first : cursor[t]]
+                zt_CV[where] = transforms[t].apply(ht @ heads[t].T) / temperature
+            if valid_V is not None:
+                zs_CV.masked_fill_(~valid_V, float("-inf"))
+                zt_CV.masked_fill_(~valid_V, float("-inf"))
+            value_C, grad_CV = _chunk_value_and_grad(zs_CV, zt_CV, valid_V, plan["kind"], plan["beta"], group)
+            values_N[tokens_C] = value_C
+            grad_CV *= (weights_N[tokens_C] / temperature)[:, None]
+            grad_hs_NH[tokens_C] = grad_CV @ ws_VH
+            if grad_ws_VH is not None:
+                grad_ws_VH.addmm_(grad_CV.T, hs_CH)
+        # Each rank holds the part of d loss / d h from its vocabulary slice; the full gradient is the
+        # sum, as a column-parallel output layer's backward would produce. O(N · Hs) bytes, once.
+        _all_reduce(grad_hs_NH, dist.ReduceOp.SUM, group)
+        ctx.save_for_backward(
+            grad_hs_NH.to(student_hidden.dtype),
+            grad_ws_VH.to(student_head.dtype) if grad_ws_VH is not None else None,
+        )
+        loss = (weights_N * values_N).sum()
+        ctx.mark_non_differentiable(values_N)
+        return loss, values_N
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor, _grad_values: torch.Tensor) -> tuple[Any, ...]:
+        grad_hs, grad_ws = ctx.saved_tensors
+        return grad_hs * grad_loss, None if grad_ws is None else grad_ws * grad_loss, None
+
+
+def linear_divergence(
+    student_hidden: torch.Tensor,
+    student_head: torch.Tensor,
+    teacher_hidden: torch.Tensor | Mapping[int, torch.Tensor],
+    teacher_heads: Mapping[int, torch.Tensor],
+    teacher_index: torch.Tensor | None,
+    *,
+    kind: str = "reverse_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    weights: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+    tp_group: Any = None,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    teacher_transforms: Mapping[int, LogitTransform] | None = None,
+) -> DivergenceOutput:
+    """Σ_n weights_n · D(p_student,n ‖ p_teacher,n) without materialising any [N, V] tensor.
+
+    Args:
+        student_hidden: [N, Hs] final hidden states of the student (requires grad).
+        student_head: [V_local, Hs] this rank's shard of the student's output layer.
+        teacher_hidden: [N, Ht] when all teachers share Ht, or {teacher: [N_t, H_t]} holding teacher t's
+            tokens (those with teacher_index == t) in token order.
+        teacher_heads: {teacher: [V_local, H_t]} this rank's shard of each teacher's LM head; all of one
+            V_local and dtype.
+        teacher_index: [N] teacher of each token, or None when exactly one head is given.
+        kind: reverse_kl, forward_kl, jsd (with `beta`), cross_entropy, entropy or tvd.
+        temperature: divides both sides' logits (after the teacher's transform).
+        weights: [N] loss mask × normaliser; default 1/N.
+        chunk_size: tokens per chunk; peak extra memory is O(chunk_size × V_local + N × Hs).
+        tp_group: tensor-parallel process group over which the vocabulary is split (None: not split).
+        vocab_start: first global vocabulary id of this rank's slice.
+        vocab_size: global vocabulary size; columns at or past it are padding and excluded.
+        teacher_transforms: {teacher: LogitTransform} logit scale / softcap per teacher.
+
+    Returns:
+        DivergenceOutput(loss with gradients to student_hidden and student_head, per_token values [N]).
+
+    Raises:
+        ValueError: unknown kind; heads of different V_local or dtype; a token routed to a teacher with
+            no head; a missing teacher_index with several heads; an index or hidden row count that does
+            not match the tokens.
+    """
+    teacher_index, rows = _check_inputs(
+        student_hidden, student_head, teacher_hidden, teacher_heads, teacher_index, kind
+    )
+    if chunk_size <= 0 or temperature <= 0:
+        raise ValueError(f"chunk_size and temperature must be positive, got {chunk_size}, {temperature}")
+    device = student_hidden.device
+    num_tokens, local_vocab = student_hidden.shape[0], student_head.shape[0]
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    vocab_size = local_vocab * tp_size if vocab_size is None else vocab_size
+    valid = None
+    if vocab_start + local_vocab > vocab_size:
+        valid = torch.arange(vocab_start, vocab_start + local_vocab, device=device) < vocab_size
+    order = torch.argsort(teacher_index, stable=True).to(device)  # group tokens by teacher
+    transforms = {t: (teacher_transforms or {}).get(t, LogitTransform()) for t in rows}
+    weights = (
+        torch.full((num_tokens,), 1.0 / max(num_tokens, 1), device=device) if weights is None else weights
+    )
+    if weights.shape != (num_tokens,):
+        raise ValueError(f"weights has shape {tuple(weights.shape)}, expected ({num_tokens},)")
+    plan = {
+        "order": order,
+        "index_sorted": teacher_index.to(device)[order],
+        "rows": {t: r.detach().float() for t, r in rows.items()},
+        "heads": {t: teacher_heads[t].detach().float() for t in rows},
+        "transforms": transforms,
+        "weights": weights.detach().float(),
+        "temperature": float(temperature),
+        "valid": valid,
+        "group": tp_group,
+        "chunk_size": int(chunk_size),
+        "kind": kind,
+        "beta": float(beta),
+    }
+    loss, per_token = _FusedLinearDivergence.apply(student_hidden, student_head, plan)
+    return DivergenceOutput(loss=loss, per_token=per_token)
