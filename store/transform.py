@@ -21,6 +21,10 @@ class LogitTransform:
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return logits
 
-    @property
-    def is_identity(self) -> bool:
-        return self.logit_scale is None and self.final_logit_softcap is None
+    def apply_(self, logits: torch.Tensor) -> torch.Tensor:
+        """`apply`, in place (no temporary of the logits' size)."""
+        if self.logit_scale is not None:
+            logits.mul_(self.logit_scale)
+        if self.final_logit_softcap is not None:
+            logits.div_(self.final_logit_softcap).tanh_().mul_(self.final_logit_softcap)
+        return logits

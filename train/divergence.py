@@ -20,6 +20,7 @@ to the tempered logits z = logits / T; the chain rule's 1/T is applied to the GE
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -110,43 +111,60 @@ def _all_reduce(x: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
     return x
 
 
-def _chunk_value_and_grad(
-    zs_CV: torch.Tensor, zt_CV: torch.Tensor, valid_V: torch.Tensor | None, kind: str, beta: float, group: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token value [C] and d value / d z_s [C, V] from tempered logits (masked columns = −inf)."""
-    stats_max = _all_reduce(torch.stack([zs_CV.amax(1), zt_CV.amax(1)], 1), dist.ReduceOp.MAX, group)
-    shifted_s = zs_CV - stats_max[:, :1]
-    shifted_t = zt_CV - stats_max[:, 1:]
-    sums = _all_reduce(
-        torch.stack([shifted_s.exp().sum(1), shifted_t.exp().sum(1)], 1), dist.ReduceOp.SUM, group
-    )
-    logp_s = shifted_s - sums[:, :1].log()
-    logp_t = shifted_t - sums[:, 1:].log()
-    p_s, p_t = logp_s.exp(), logp_t.exp()
-    if valid_V is not None:  # padded columns: p = 0; make log p finite so that 0 · log p = 0
-        logp_s = logp_s.masked_fill(~valid_V, 0.0)
-        logp_t = logp_t.masked_fill(~valid_V, 0.0)
+_NEEDS_P_T = ("forward_kl", "jsd", "tvd")
 
-    if kind == "forward_kl":
-        value = _all_reduce((p_t * (logp_t - logp_s)).sum(1), dist.ReduceOp.SUM, group)
-        return value, p_s - p_t
-    if kind == "jsd" and beta in (0.0, 1.0):  # m equals one side: both terms vanish
-        return torch.zeros_like(stats_max[:, 0]), torch.zeros_like(zs_CV)
+
+def _chunk_value_and_grad(
+    buffers: dict[str, torch.Tensor], valid_V: torch.Tensor | None, kind: str, beta: float, group: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token value [C] and d value / d z_s [C, V] from tempered logits, in place.
+
+    `zs` and `zt` hold the tempered logits (masked columns −inf) and become log p_s and log p_t, then
+    scratch; `ps` holds p_s. Reverse KL, cross-entropy and entropy need nothing more: 3 buffers of
+    [C, V]. Forward KL adds `pt`; JSD and TVD add `work` and a few temporaries. Row sums use torch's
+    pairwise reduction (a running dot product loses the 1e-6 agreement of KL = CE − H near values of 5).
+    """
+    zs, zt, ps = buffers["zs"], buffers["zt"], buffers["ps"]
+    stats_max = _all_reduce(torch.stack([zs.amax(1), zt.amax(1)], 1), dist.ReduceOp.MAX, group)
+    zs.sub_(stats_max[:, :1])
+    zt.sub_(stats_max[:, 1:])
+    sum_s = torch.exp(zs, out=ps).sum(1)
+    sum_t = torch.exp(zt, out=ps).sum(1)
+    sums = _all_reduce(torch.stack([sum_s, sum_t], 1), dist.ReduceOp.SUM, group)
+    logp_s = zs.sub_(sums[:, :1].log())
+    logp_t = zt.sub_(sums[:, 1:].log())
+    p_s = torch.exp(logp_s, out=ps)
+    p_t = torch.exp(logp_t, out=buffers["pt"]) if kind in _NEEDS_P_T else None
+    if valid_V is not None:  # padded columns: p = 0; make log p finite so that 0 · log p = 0
+        logp_s.masked_fill_(~valid_V, 0.0)
+        logp_t.masked_fill_(~valid_V, 0.0)
+
     if kind in ("reverse_kl", "cross_entropy", "entropy"):
-        u = {"reverse_kl": logp_s - logp_t, "cross_entropy": -logp_t, "entropy": -logp_s}[kind]
-        value = _all_reduce((p_s * u).sum(1), dist.ReduceOp.SUM, group)
-        return value, p_s * (u - value[:, None])
+        # u = ∂value/∂p_s overwrites one log-prob buffer; the product for the row sum uses the other.
+        if kind == "reverse_kl":
+            u, spare = torch.sub(logp_s, logp_t, out=logp_t), logp_s
+        elif kind == "cross_entropy":
+            u, spare = logp_t.neg_(), logp_s
+        else:
+            u, spare = logp_s.neg_(), logp_t
+        value = _all_reduce(torch.mul(p_s, u, out=spare).sum(1), dist.ReduceOp.SUM, group)
+        return value, u.sub_(value[:, None]).mul_(p_s)
+    assert p_t is not None
+    if kind == "forward_kl":
+        value = _all_reduce(logp_t.sub_(logp_s).mul_(p_t).sum(1), dist.ReduceOp.SUM, group)
+        return value, torch.sub(p_s, p_t, out=logp_s)
+    work = buffers["work"]
+    if kind == "jsd" and beta in (0.0, 1.0):  # m equals one side: both terms vanish
+        return torch.zeros_like(stats_max[:, 0]), work.zero_()
     if kind == "jsd":
-        logm = torch.logaddexp(
-            logp_t + torch.log(torch.tensor(beta)), logp_s + torch.log(torch.tensor(1 - beta))
-        )
+        logm = torch.logaddexp(logp_t + math.log(beta), logp_s + math.log(1 - beta))
         terms = beta * p_t * (logp_t - logm) + (1 - beta) * p_s * (logp_s - logm)
-        u = (1 - beta) * (logp_s - logm)
+        u = torch.sub(logp_s, logm, out=work).mul_(1 - beta)
     else:  # tvd; sign(0) = 0, the subgradient autograd takes for |x| at 0
         terms = 0.5 * (p_s - p_t).abs()
-        u = 0.5 * torch.sign(p_s - p_t)
+        u = torch.sub(p_s, p_t, out=work).sign_().mul_(0.5)
     reduced = _all_reduce(torch.stack([terms.sum(1), (p_s * u).sum(1)], 1), dist.ReduceOp.SUM, group)
-    return reduced[:, 0], p_s * (u - reduced[:, 1:])
+    return reduced[:, 0], u.sub_(reduced[:, 1:]).mul_(p_s)
 
 
 class _FusedLinearDivergence(torch.autograd.Function):
@@ -168,24 +186,34 @@ class _FusedLinearDivergence(torch.autograd.Function):
         values_N = torch.zeros(num_tokens, dtype=torch.float32, device=hs_NH.device)
         # Each teacher's rows are consumed in token order; `cursor` is the next unread row per teacher.
         cursor = dict.fromkeys(rows, 0)
+        width = min(chunk, num_tokens)
+        names = ["zs", "zt", "ps"] + (["pt"] if plan["kind"] in _NEEDS_P_T else [])
+        names += ["work"] if plan["kind"] in ("jsd", "tvd") else []
+        full = {name: hs_NH.new_empty(width, ws_VH.shape[0]) for name in names}
         for start in range(0, num_tokens, chunk):
             tokens_C = order[start : start + chunk]
             teachers_C = index_sorted[start : start + chunk]
+            size = tokens_C.shape[0]
+            buffers = {name: buf[:size] for name, buf in full.items()}
             hs_CH = hs_NH[tokens_C]
-            zs_CV = (hs_CH @ ws_VH.T) / temperature
-            zt_CV = torch.empty_like(zs_CV)
-            for t in teachers_C.unique().tolist():  # one GEMM per teacher present in the chunk
-                where = (teachers_C == t).nonzero().squeeze(1)
+            torch.mm(hs_CH, ws_VH.T, out=buffers["zs"]).div_(temperature)
+            # Tokens are sorted by teacher, so each teacher's tokens form one run of the chunk: one GEMM
+            # per teacher present, written straight into its rows of the teacher logits.
+            teachers, counts = torch.unique_consecutive(teachers_C, return_counts=True)
+            row = 0
+            for t, count in zip(teachers.tolist(), counts.tolist(), strict=True):
                 first = cursor[t]
-                cursor[t] += where.shape[0]
-                ht = rows[t][first : cursor[t]]
-                zt_CV[where] = transforms[t].apply(ht @ heads[t].T) / temperature
+                cursor[t] += count
+                block = buffers["zt"][row : row + count]
+                torch.mm(rows[t][first : cursor[t]], heads[t].T, out=block)
+                transforms[t].apply_(block).div_(temperature)
+                row += count
             if valid_V is not None:
-                zs_CV.masked_fill_(~valid_V, float("-inf"))
-                zt_CV.masked_fill_(~valid_V, float("-inf"))
-            value_C, grad_CV = _chunk_value_and_grad(zs_CV, zt_CV, valid_V, plan["kind"], plan["beta"], group)
+                buffers["zs"].masked_fill_(~valid_V, float("-inf"))
+                buffers["zt"].masked_fill_(~valid_V, float("-inf"))
+            value_C, grad_CV = _chunk_value_and_grad(buffers, valid_V, plan["kind"], plan["beta"], group)
             values_N[tokens_C] = value_C
-            grad_CV *= (weights_N[tokens_C] / temperature)[:, None]
+            grad_CV.mul_((weights_N[tokens_C] / temperature)[:, None])
             grad_hs_NH[tokens_C] = grad_CV @ ws_VH
             if grad_ws_VH is not None:
                 grad_ws_VH.addmm_(grad_CV.T, hs_CH)

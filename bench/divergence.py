@@ -1,0 +1,180 @@
+"""Fused divergence kernel vs the eager reference and Liger-Kernel, fwd+bwd, fp32 on CPU.
+
+Each variant runs in a fresh subprocess (so peak memory is its own): inputs are built, the kernel runs
+once to warm up (Liger compiles then), the page-resident high-water mark is reset, and one fwd+bwd is
+timed. Peak memory = resident high-water mark during the timed step minus the resident size before it
+(i.e. memory above the inputs). Liger's `LigerFusedLinearJSDLoss` (β=1, soft loss only) is the peer;
+install it with `pip install --no-deps liger-kernel` (bench-only).
+
+    python bench/divergence.py [--sizes 1024 4096 8192 16384] [--chunk 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VOCAB, HIDDEN = 49152, 576
+MEM_LIMIT_GIB = 20.0
+
+
+def _rss_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def run_variant(variant: str, num_tokens: int, chunk: int, teachers: int) -> dict[str, float]:
+    import torch
+
+    torch.manual_seed(0)
+    hs = (torch.randn(num_tokens, HIDDEN) * 0.5).requires_grad_()
+    ws = (torch.randn(VOCAB, HIDDEN) * 0.04).requires_grad_()
+    index = torch.randint(0, teachers, (num_tokens,))
+    hidden = {t: torch.randn(int((index == t).sum()), HIDDEN) * 0.5 for t in range(teachers)}
+    heads = {t: torch.randn(VOCAB, HIDDEN) * 0.04 for t in range(teachers)}
+
+    if variant == "fused":
+        from mopd.train.divergence import linear_divergence
+
+        def step() -> None:
+            linear_divergence(hs, ws, hidden, heads, index, chunk_size=chunk).loss.backward()
+    elif variant == "eager":
+        from mopd.train.divergence_reference import reference_divergence
+
+        def step() -> None:
+            reference_divergence(hs, ws, hidden, heads, index).loss.backward()
+    elif variant.startswith("liger"):
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+
+        assert teachers == 1
+        loss_fn = LigerFusedLinearJSDLoss(
+            weight_hard_loss=0.0,
+            weight_soft_loss=1.0,
+            beta=1.0,
+            compiled=variant == "liger-compiled",
+            chunk_size=chunk,
+        )
+        labels = torch.randint(0, VOCAB, (num_tokens,))
+
+        def step() -> None:
+            loss_fn(hs, ws, hidden[0], heads[0], labels).backward()
+    else:
+        raise ValueError(variant)
+
+    step()  # warm-up (and compilation)
+    hs.grad = ws.grad = None
+    Path("/proc/self/clear_refs").write_text("5\n")  # reset the resident high-water mark
+    before = _rss_bytes("VmRSS")
+    start = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "peak_bytes": _rss_bytes("VmHWM") - before}
+
+
+def measure(variant: str, num_tokens: int, chunk: int, teachers: int = 1) -> dict[str, float] | None:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        variant,
+        str(num_tokens),
+        str(chunk),
+        str(teachers),
+        "--mem-limit-gib",
+        str(MEM_LIMIT_GIB),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["killed"])[-1]
+        oom = proc.returncode in (-9, 137) or "alloc" in last.lower() or "memory" in last.lower()
+        reason = f"out of memory under the {MEM_LIMIT_GIB:g} GiB cap" if oom else last
+        print(f"  {variant} N={num_tokens}: failed ({reason})", file=sys.stderr)
+        return {"failed": reason}  # type: ignore[dict-item]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def ok(result: dict[str, float] | None) -> bool:
+    return result is not None and "failed" not in result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--variants", nargs="+", default=["eager", "liger-compiled", "fused"])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "divergence.json")
+    parser.add_argument("--mem-limit-gib", type=float, default=20.0, help="per-variant memory cap")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    global MEM_LIMIT_GIB
+    MEM_LIMIT_GIB = args.mem_limit_gib
+    if args.child:
+        # An address-space cap turns running out of memory into an error instead of the OOM killer.
+        limit = int(args.mem_limit_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        variant, n, chunk, teachers = args.child
+        print(json.dumps(run_variant(variant, int(n), int(chunk), int(teachers))))
+        return
+
+    results: dict[str, dict[str, dict[str, float] | None]] = {}
+    for n in args.sizes:
+        results[str(n)] = {v: measure(v, n, args.chunk) for v in args.variants}
+    multi = {
+        "1 teacher": measure("fused", 4096, args.chunk, 1),
+        "4 teachers": measure("fused", 4096, args.chunk, 4),
+    }
+    payload = {
+        "vocab": VOCAB,
+        "hidden": HIDDEN,
+        "dtype": "float32",
+        "chunk": args.chunk,
+        "cpus": os.cpu_count(),
+        "torch_threads": os.environ.get("OMP_NUM_THREADS"),
+        "by_tokens": results,
+        "multi_teacher": multi,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+
+    gib = 2.0**30
+    print(f"fwd+bwd, fp32, V={VOCAB}, H={HIDDEN}, fused chunk {args.chunk}; time s / peak GiB above inputs")
+    print(
+        f"{'N':>6} "
+        + "".join(f"{v:>22}" for v in args.variants)
+        + f"{'time vs eager':>15}{'mem vs eager':>14}"
+    )
+    for n, row in results.items():
+        cells = "".join(
+            f"{r['seconds']:10.2f}s {r['peak_bytes'] / gib:8.2f}G"
+            if r is not None and ok(r)
+            else f"{'OOM':>22}"
+            for r in row.values()
+        )
+        fused, eager = row.get("fused"), row.get("eager")
+        ratio = (
+            f"{fused['seconds'] / eager['seconds']:14.2f}x{eager['peak_bytes'] / fused['peak_bytes']:13.1f}x"
+            if fused is not None and eager is not None and ok(fused) and ok(eager)
+            else ""
+        )
+        print(f"{n:>6} {cells}{ratio}")
+    one, four = multi["1 teacher"], multi["4 teachers"]
+    if one is not None and four is not None and ok(one) and ok(four):
+        print(
+            f"N=4096, 4 teachers mixed vs 1: {four['seconds'] / one['seconds']:.2f}x time, "
+            f"{four['peak_bytes'] / gib:.2f} vs {one['peak_bytes'] / gib:.2f} GiB"
+        )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
