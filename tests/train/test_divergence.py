@@ -188,3 +188,22 @@ def test_input_errors_name_the_problem() -> None:
         call(case, teacher_hidden={**case.teacher_hidden, 1: case.teacher_hidden[1][:-1]})
     with pytest.raises(ValueError, match=r"kind 'kl' is not one of"):
         call(case, kind="kl")
+
+
+def test_no_grad_evaluation_gives_the_same_values() -> None:
+    case = make_case(teachers=3, softcap=True)
+    with_grad = run_fused(case, kind="jsd", chunk=5)[1]
+    with torch.no_grad():
+        out = call(case, kind="jsd", chunk_size=5, teacher_transforms=case.transforms)
+    assert torch.equal(out.per_token, with_grad) and out.loss.grad_fn is None
+
+
+def test_frozen_hidden_gives_head_gradient_only() -> None:
+    case = make_case(teachers=1)
+    ws = case.student_head.detach().clone().requires_grad_()
+    out = linear_divergence(
+        case.student_hidden.detach(), ws, case.teacher_hidden, case.teacher_heads, None, weights=case.weights
+    )
+    out.loss.backward()
+    want = run_reference(case, kind="reverse_kl")[3]
+    assert rel_err(ws.grad, want) <= 1e-5
