@@ -46,14 +46,18 @@ def write_config(
     return path
 
 
-@pytest.fixture
-def mixed_config(tmp_path: Path, tiny_teachers: dict[str, Path]) -> Path:
-    """4 aliases over 3 checkpoints (Llama 64, Qwen2 96, Llama 48), 16 chat rows of 4 agents."""
-    data = write_jsonl(tmp_path / "train.jsonl", mixed_records(16))
-    teachers = {
+def four_aliases(tiny_teachers: dict[str, Path]) -> dict[str, Path]:
+    """4 aliases over 3 checkpoints (Llama 64, Qwen2 96, Llama 48)."""
+    return {
         "math": tiny_teachers["llama"],
         "code": tiny_teachers["qwen2"],
         "chat": tiny_teachers["llama_small"],
         "reasoning": tiny_teachers["llama"],
     }
-    return write_config(tmp_path, teachers, data=data)
+
+
+@pytest.fixture
+def mixed_config(tmp_path: Path, tiny_teachers: dict[str, Path]) -> Path:
+    """4 aliases over 3 checkpoints, 16 chat rows of 4 agents."""
+    data = write_jsonl(tmp_path / "train.jsonl", mixed_records(16))
+    return write_config(tmp_path, four_aliases(tiny_teachers), data=data)

@@ -16,7 +16,7 @@ import pytest
 
 from mopd.store.fsio import file_digests, is_temporary
 from mopd.store.manifest import MANIFEST_FILE, PARTS_DIR
-from tests.precompute.conftest import write_config
+from tests.precompute.conftest import four_aliases, write_config
 from tests.precompute.teachers import mixed_records, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,13 +51,7 @@ def store_contents(store: Path) -> dict[str, tuple[int, str]]:
 @pytest.fixture
 def job_config(tmp_path: Path, tiny_teachers: dict[str, Path]) -> Path:
     data = write_jsonl(tmp_path / "train.jsonl", mixed_records(40))
-    teachers = {
-        "math": tiny_teachers["llama"],
-        "code": tiny_teachers["qwen2"],
-        "chat": tiny_teachers["llama_small"],
-        "reasoning": tiny_teachers["llama"],
-    }
-    return write_config(tmp_path, teachers, data=data, precompute={"rows_per_task": 2})
+    return write_config(tmp_path, four_aliases(tiny_teachers), data=data, precompute={"rows_per_task": 2})
 
 
 def test_three_jobs_in_any_order_equal_one_job(job_config: Path, tmp_path: Path) -> None:
