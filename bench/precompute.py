@@ -27,13 +27,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mopd.precompute.batching import pack_batches
 from mopd.precompute.data import TokenizedRows
 from mopd.precompute.hf_backend import HFTeacher
 from mopd.precompute.packaged_models import smollm2_checkpoint
 from mopd.precompute.progress import TokenProgress
 from mopd.precompute.runner import build_plan, run_hidden_task
 from mopd.precompute.teachers import TeacherSet, resolve_teachers
+from mopd.store.batching import pack_batches
 from mopd.store.config import MopdConfig, parse_config
 from mopd.store.writer import StoreWriter
 

@@ -1,4 +1,7 @@
-"""Packing rows into forward batches by a token budget (pure functions)."""
+"""Packing rows into batches by a token budget and splitting tasks across jobs (pure functions).
+
+Shared by precompute (teacher forward batches) and train (microbatches), so it lives in the neutral layer.
+"""
 
 from __future__ import annotations
 
