@@ -206,11 +206,12 @@ def run_precompute(
         f"{config.data.max_length}"
     )
     computed: list[str] = []
-    todo_rows = {r for t in todo if t.kind == "hidden" for r in shard_rows(rows.teacher_index, t).tolist()}
+    # Each row is in exactly one hidden task, so the job's totals are plain sums over its tasks.
+    todo_rows = [shard_rows(rows.teacher_index, t) for t in todo if t.kind == "hidden"]
     start = time.perf_counter()
     with TokenProgress(
-        total_rows=len(todo_rows),
-        total_tokens=int(rows.lengths[sorted(todo_rows)].sum()),
+        total_rows=sum(r.shape[0] for r in todo_rows),
+        total_tokens=sum(int(rows.lengths[r].sum()) for r in todo_rows),
         enabled=show_progress,
     ) as progress:
         for task in todo:

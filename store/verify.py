@@ -86,15 +86,16 @@ def _check_shapes(root: Path, manifest: Manifest) -> list[str]:
         ]
     for folder, name, shape in checks:
         path = root / folder / name if name else root / folder
+        where = f"{folder}/{name}" if name else folder
         if not (path / "zarr.json").exists():
             continue  # reported as a missing file or folder already
         try:
             found = open_array(path).shape
         except Exception as err:
-            problems.append(f"{folder}/{name}: unreadable array metadata ({err})".replace("//", "/"))
+            problems.append(f"{where}: unreadable array metadata ({err})")
             continue
         if tuple(found) != shape:
-            problems.append(f"{folder}/{name}: shape {tuple(found)}, recorded {shape}".replace("//", "/"))
+            problems.append(f"{where}: shape {tuple(found)}, recorded {shape}")
     return problems
 
 

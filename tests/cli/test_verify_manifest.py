@@ -219,3 +219,13 @@ def test_part_record_paths_cannot_escape_the_store(small_store: StoreSpec) -> No
     lines = problem_lines(result := verify(small_store.root, "--full"))
     assert result.exit_code == 1 and len(lines) == 1
     assert "must be relative and stay inside the store" in lines[0]
+
+
+def test_array_shape_differing_from_the_record(small_store: StoreSpec) -> None:
+    # Same byte count (300 → 299), so only the shape check can see it.
+    meta = Path(small_store.root) / "teachers" / "0" / "lm_head" / "zarr.json"
+    text = meta.read_text()
+    assert '"shape": [\n    300,' in text
+    meta.write_text(text.replace('"shape": [\n    300,', '"shape": [\n    299,'))
+    lines = problem_lines(result := verify(small_store.root))
+    assert result.exit_code == 1 and lines == ["teachers/0/lm_head: shape (299, 32), recorded (300, 32)"]
