@@ -19,19 +19,6 @@ from mopd.store.errors import ConfigError
 from mopd.store.transform import LogitTransform
 
 
-def logit_transform(config: Any) -> LogitTransform:
-    """The logit post-transform a transformers config declares (Gemma softcap, Cohere/Granite scale)."""
-    scale = getattr(config, "logit_scale", None)  # Cohere: logits * logit_scale
-    granite = getattr(config, "logits_scaling", None)  # Granite: logits / logits_scaling
-    if granite not in (None, 1, 1.0):
-        scale = (scale or 1.0) / float(granite)
-    softcap = getattr(config, "final_logit_softcapping", None)
-    return LogitTransform(
-        logit_scale=None if scale in (None, 1, 1.0) else float(scale),
-        final_logit_softcap=None if not softcap else float(softcap),
-    )
-
-
 class _Captured(Exception):
     """Raised by the capture hook to stop the forward before the output layer runs."""
 
@@ -73,7 +60,7 @@ class HFTeacher:
         if head is None or getattr(head, "weight", None) is None:
             raise ConfigError(f"teacher {checkpoint}: the model has no output embedding layer to capture")
         self._head = head
-        self.transform = logit_transform(self.model.config)
+        self.transform = LogitTransform.from_model_config(self.model.config)
         self.hidden_size = int(head.weight.shape[1])
         self.vocab_size = int(head.weight.shape[0])
         self._captured: torch.Tensor | None = None

@@ -321,3 +321,106 @@ def linear_divergence(
     }
     loss, per_token = _FusedLinearDivergence.apply(student_hidden, student_head, plan)
     return DivergenceOutput(loss=loss, per_token=per_token)
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """−log p_s(label) per token, chunked and vocabulary-parallel like the divergences; grads in forward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, student_hidden: torch.Tensor, student_head: torch.Tensor, plan: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hs_NH, ws_VH = student_hidden.detach().float(), student_head.detach().float()
+        labels_N, weights_N, valid_V, group = plan["labels"], plan["weights"], plan["valid"], plan["group"]
+        chunk, vocab_start, temperature = plan["chunk_size"], plan["vocab_start"], plan["temperature"]
+        num_tokens, local_vocab = hs_NH.shape[0], ws_VH.shape[0]
+        grad_hs_NH = torch.zeros_like(hs_NH) if ctx.needs_input_grad[0] else None
+        grad_ws_VH = torch.zeros_like(ws_VH) if ctx.needs_input_grad[1] else None
+        values_N = torch.zeros(num_tokens, dtype=torch.float32, device=hs_NH.device)
+        logits_full = hs_NH.new_empty(min(chunk, num_tokens), local_vocab)
+        for start in range(0, num_tokens, chunk):
+            stop = min(start + chunk, num_tokens)
+            logits_CV = torch.mm(hs_NH[start:stop], ws_VH.T, out=logits_full[: stop - start]).div_(
+                temperature
+            )
+            if valid_V is not None:
+                logits_CV.masked_fill_(~valid_V, float("-inf"))
+            local_C = labels_N[start:stop] - vocab_start
+            mine_C = (local_C >= 0) & (local_C < local_vocab)
+            at_C = torch.where(mine_C, local_C, 0)
+            label_logit_C = torch.where(mine_C, logits_CV.gather(1, at_C[:, None])[:, 0], 0.0)
+            max_C = _all_reduce(logits_CV.amax(1), dist.ReduceOp.MAX, group)
+            probs_CV = logits_CV.sub_(max_C[:, None]).exp_()
+            sums = _all_reduce(torch.stack([probs_CV.sum(1), label_logit_C], 1), dist.ReduceOp.SUM, group)
+            values_N[start:stop] = max_C + sums[:, 0].log() - sums[:, 1]
+            if grad_hs_NH is None and grad_ws_VH is None:
+                continue
+            grad_CV = probs_CV.div_(sums[:, :1])  # softmax − one-hot(label), on the label's owner rank
+            rows_C = torch.arange(stop - start, device=grad_CV.device)
+            grad_CV[rows_C[mine_C], at_C[mine_C]] -= 1.0
+            grad_CV.mul_((weights_N[start:stop] / temperature)[:, None])
+            if grad_hs_NH is not None:
+                grad_hs_NH[start:stop] = grad_CV @ ws_VH
+            if grad_ws_VH is not None:
+                grad_ws_VH.addmm_(grad_CV.T, hs_NH[start:stop])
+        if grad_hs_NH is not None:
+            _all_reduce(grad_hs_NH, dist.ReduceOp.SUM, group)
+        ctx.save_for_backward(
+            grad_hs_NH.to(student_hidden.dtype) if grad_hs_NH is not None else None,
+            grad_ws_VH.to(student_head.dtype) if grad_ws_VH is not None else None,
+        )
+        ctx.mark_non_differentiable(values_N)
+        return (weights_N * values_N).sum(), values_N
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor, _grad_values: torch.Tensor) -> tuple[Any, ...]:
+        grad_hs, grad_ws = ctx.saved_tensors
+        scale = lambda g: None if g is None else g * grad_loss  # noqa: E731
+        return scale(grad_hs), scale(grad_ws), None
+
+
+def linear_cross_entropy(
+    student_hidden: torch.Tensor,
+    student_head: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    weights: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    tp_group: Any = None,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+) -> DivergenceOutput:
+    """Σ_n weights_n · (−log p_s(labels_n)), the hard-label loss, without any [N, V] tensor.
+
+    Args:
+        student_hidden: [N, Hs]; student_head: [V_local, Hs] this rank's shard.
+        labels: [N] global vocabulary ids; a negative label (e.g. −100) contributes zero.
+        weights, temperature, chunk_size, tp_group, vocab_start, vocab_size: as `linear_divergence`.
+    """
+    num_tokens, local_vocab = student_hidden.shape[0], student_head.shape[0]
+    if labels.shape != (num_tokens,):
+        raise ValueError(f"labels has shape {tuple(labels.shape)}, expected ({num_tokens},)")
+    device = student_hidden.device
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    vocab_size = local_vocab * tp_size if vocab_size is None else vocab_size
+    if labels.numel() and int(labels.max()) >= vocab_size:
+        raise ValueError(f"a label is ≥ the vocabulary size {vocab_size}")
+    valid = None
+    if vocab_start + local_vocab > vocab_size:
+        valid = torch.arange(vocab_start, vocab_start + local_vocab, device=device) < vocab_size
+    weights = (
+        torch.full((num_tokens,), 1.0 / max(num_tokens, 1), device=device) if weights is None else weights
+    )
+    labels = labels.to(device)
+    plan = {
+        "labels": torch.where(labels < 0, -(10**12), labels),  # owned by no rank
+        "weights": torch.where(labels < 0, 0.0, weights.detach().float()),
+        "valid": valid,
+        "group": tp_group,
+        "chunk_size": int(chunk_size),
+        "vocab_start": int(vocab_start),
+        "temperature": float(temperature),
+    }
+    loss, per_token = _FusedLinearCrossEntropy.apply(student_hidden, student_head, plan)
+    return DivergenceOutput(loss=loss, per_token=torch.where(labels < 0, 0.0, per_token))

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mopd.train.divergence import linear_divergence
+from mopd.train.divergence import linear_cross_entropy, linear_divergence
 from tests.distributed.harness import run_distributed
 from tests.train.divergence_cases import Case, make_case
 
@@ -79,3 +79,50 @@ def test_tensor_parallel_equals_single_process(world: int) -> None:
         head = torch.cat([results[r][kind]["grad_head"] for r in range(world)])
         assert head.shape == dense["grad_head"].shape
         assert_within_1e6(head, dense["grad_head"], f"{kind} grad_head")
+
+
+def run_hard_ce(
+    case: Case, labels: torch.Tensor, *, rank: int = 0, world: int = 1
+) -> dict[str, torch.Tensor]:
+    hs = case.student_hidden.detach().clone().requires_grad_()
+    ws_local, start = shard(case.student_head.detach(), rank, world)
+    ws_local.requires_grad_()
+    out = linear_cross_entropy(
+        hs,
+        ws_local,
+        labels,
+        weights=case.weights,
+        temperature=0.7,
+        chunk_size=6,
+        tp_group=dist.group.WORLD if world > 1 else None,
+        vocab_start=start,
+        vocab_size=VOCAB,
+    )
+    out.loss.backward()
+    return {"loss": out.loss.detach(), "per_token": out.per_token, "grad_hidden": hs.grad}
+
+
+def _ce_worker(rank: int, world: int) -> dict[str, torch.Tensor]:
+    case = make_case(teachers=1, vocab=VOCAB, num_tokens=19, seed=12)
+    return run_hard_ce(case, _labels(), rank=rank, world=world)
+
+
+def _labels() -> torch.Tensor:
+    labels = torch.randint(0, VOCAB, (19,), generator=torch.Generator().manual_seed(5))
+    labels[[0, 7]] = torch.tensor([-100, VOCAB - 1])  # an ignored position; the last id (on the last rank)
+    return labels
+
+
+def test_tensor_parallel_hard_label_ce_equals_torch() -> None:
+    results = run_distributed(_ce_worker, world_size=2, timeout=120)
+    case = make_case(teachers=1, vocab=VOCAB, num_tokens=19, seed=12)
+    hs = case.student_hidden.detach().double().requires_grad_()
+    logits = hs @ case.student_head.detach().double().T / 0.7
+    per_token = torch.nn.functional.cross_entropy(logits, _labels(), ignore_index=-100, reduction="none")
+    loss = (case.weights.double() * per_token).sum()
+    loss.backward()
+    for rank in range(2):
+        assert_within_1e6(results[rank]["per_token"].double(), per_token.detach(), f"rank {rank} per_token")
+        assert_within_1e6(results[rank]["loss"].double(), loss.detach(), f"rank {rank} loss")
+        assert_within_1e6(results[rank]["grad_hidden"].double(), hs.grad, f"rank {rank} grad_hidden")
+    assert results[0]["per_token"][0] == 0.0

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from mopd.train.divergence import KINDS, linear_divergence
+from mopd.train.divergence import KINDS, linear_cross_entropy, linear_divergence
 from mopd.train.divergence_reference import reference_divergence
 from tests.train.divergence_cases import Case, make_case
 
@@ -207,3 +207,29 @@ def test_frozen_hidden_gives_head_gradient_only() -> None:
     out.loss.backward()
     want = run_reference(case, kind="reverse_kl")[3]
     assert rel_err(ws.grad, want) <= 1e-5
+
+
+@pytest.mark.parametrize("vocab_size", [97, 90])
+def test_hard_label_cross_entropy_matches_torch(vocab_size: int) -> None:
+    """Values and both gradients equal autograd through materialised logits (float64 reference); with
+    vocab_size < rows of the head, the padded columns are excluded."""
+    case = make_case(vocab=97, num_tokens=23, seed=4)
+    labels = torch.randint(0, vocab_size, (23,), generator=torch.Generator().manual_seed(1))
+    labels[3] = -100
+    hs = case.student_hidden.detach().clone().requires_grad_()
+    ws = case.student_head.detach().clone().requires_grad_()
+    out = linear_cross_entropy(
+        hs, ws, labels, weights=case.weights, temperature=1.3, chunk_size=5, vocab_size=vocab_size
+    )
+    out.loss.backward()
+    hs64 = case.student_hidden.detach().double().requires_grad_()
+    ws64 = case.student_head.detach().double().requires_grad_()
+    logits = (hs64 @ ws64.T)[:, :vocab_size] / 1.3
+    per_token = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="none")
+    (case.weights.double() * per_token).sum().backward()
+    torch.testing.assert_close(out.per_token.double(), per_token.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hs.grad.double(), hs64.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ws.grad.double(), ws64.grad, rtol=1e-5, atol=1e-6)
+    assert out.per_token[3] == 0.0
+    with pytest.raises(ValueError, match="vocabulary size"):
+        linear_cross_entropy(hs, ws, torch.full((23,), vocab_size), vocab_size=vocab_size)
