@@ -13,6 +13,7 @@ import click
 
 from mopd.cli.precompute_command import precompute_command
 from mopd.cli.store_commands import inspect_command, verify_manifest_command
+from mopd.cli.train_command import train_command
 from mopd.store.errors import MopdError
 from mopd.store.version import __version__
 
@@ -38,6 +39,7 @@ def cli(debug: bool) -> None:
 cli.add_command(precompute_command)
 cli.add_command(verify_manifest_command)
 cli.add_command(inspect_command)
+cli.add_command(train_command)
 
 
 def main() -> None:

@@ -65,6 +65,8 @@ class DivergenceConfig(_Section):
     temperature: float = Field(1.0, gt=0.0)
     chunk_size: int = Field(1024, gt=0)
     ce_weight: float = Field(0.0, ge=0.0)
+    # "token": mean over the step's trained tokens; "sequence": mean per row, then over the step's rows.
+    level: Literal["token", "sequence"] = "token"
 
 
 class OptimConfig(_Section):
@@ -77,6 +79,12 @@ class OptimConfig(_Section):
 class BatchConfig(_Section):
     micro_batch_tokens: int = Field(8192, gt=0)
     global_batch_tokens: int = Field(65536, gt=0)
+
+
+class EvalConfig(_Section):
+    # Rows held out of training (a seeded choice) and evaluated every `every` steps (0: start and end).
+    rows: int = Field(0, ge=0)
+    every: int = Field(0, ge=0)
 
 
 class CheckpointConfig(_Section):
@@ -95,6 +103,10 @@ class TrainConfig(_Section):
     batch: BatchConfig = BatchConfig()
     steps: int = Field(1000, gt=0)
     seed: int = 0
+    device: str = "auto"
+    # Student parameter dtype (AdamW state follows it).
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    eval: EvalConfig = EvalConfig()
     output_dir: str = "out/run"
     checkpoint: CheckpointConfig = CheckpointConfig()
 

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from tests.store.synthetic import StoreSpec, build_store, make_checkpoint
+from tests.train.world import World, build_world
 
 
 @pytest.fixture
@@ -55,3 +56,9 @@ def small_spec(tmp_path: Path, teacher_checkpoints: dict[str, Path]) -> StoreSpe
 def small_store(small_spec: StoreSpec) -> StoreSpec:
     build_store(small_spec)
     return small_spec
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    """Two tiny teachers, a student and four precomputed stores (see tests/train/world.py)."""
+    return build_world(tmp_path_factory.mktemp("distill"))

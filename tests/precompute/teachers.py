@@ -99,3 +99,28 @@ def mixed_records(num_rows: int) -> list[dict[str, Any]]:
             }
         )
     return records
+
+
+def agent_records(num_rows: int) -> list[dict[str, Any]]:
+    """Chat rows whose content depends on their agent (math: arithmetic; code: Python), so that a
+    student can learn which teacher to imitate from the text alone."""
+    sources = {
+        "math": [c for c in CORPUS if c.startswith("What")],
+        "code": [c for c in CORPUS if c.startswith("def")],
+    }
+    records = []
+    for i in range(num_rows):
+        agent = ("math", "code")[i % 2]
+        src = sources[agent]
+        answer = " ".join(src[(11 * i + k) % len(src)] for k in range(1 + i % 3))
+        records.append(
+            {
+                "id": f"{agent}{i}",
+                "agent": agent,
+                "messages": [
+                    {"role": "user", "content": src[(7 * i) % len(src)]},
+                    {"role": "assistant", "content": answer},
+                ],
+            }
+        )
+    return records

@@ -1,0 +1,93 @@
+"""The store loader: microbatch contents, epoch coverage across ranks, resumable state, thread hygiene."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from mopd.store.reader import TeacherStore, open_store
+from mopd.train.data_order import LoaderState
+from mopd.train.loader import IGNORE, StoreLoader, read_microbatch
+from tests.train.world import World
+
+
+def loader(store: TeacherStore, **kwargs: int) -> StoreLoader:
+    options = {"micro_batch_tokens": 256, "global_batch_tokens": 700, **kwargs}
+    return StoreLoader(store, np.arange(store.num_rows), **options)
+
+
+def test_a_microbatch_holds_its_rows_padded_to_its_own_longest(world: World) -> None:
+    store = open_store(world.store)
+    rows = np.array([5, 2, 9])
+    mb = read_microbatch(store, rows)
+    lengths = store.lengths[rows]
+    assert mb.input_ids.shape == (3, lengths.max())
+    for b, r in enumerate(rows):
+        row = store.row(int(r))
+        n = lengths[b]
+        assert torch.equal(mb.input_ids[b, :n], row.input_ids) and not mb.attention_mask[b, n:].any()
+        assert torch.equal(mb.loss_mask[b, :n], row.loss_mask) and not mb.loss_mask[b, n:].any()
+        assert torch.equal(
+            mb.labels[mb.token_row == b],
+            torch.cat([row.input_ids[1:], torch.tensor([IGNORE])])[row.loss_mask],
+        )
+    # Teacher t's hidden states: its rows' trained positions, in token order.
+    for t in set(mb.token_teacher.tolist()):
+        expected = [
+            store.hidden(int(r))[store.row(int(r)).loss_mask]
+            for r in rows
+            if store.row(int(r)).teacher_index == t
+        ]
+        assert torch.equal(mb.teacher_hidden[t], torch.cat(expected))
+    assert mb.token_teacher.tolist() == [store.row(int(rows[b])).teacher_index for b in mb.token_row.tolist()]
+
+
+def test_an_epoch_trains_every_row_once_across_ranks(world: World) -> None:
+    store = open_store(world.store)
+    seen: list[int] = []
+    for rank in range(2):
+        rank_loader = loader(store, dp_rank=rank, dp_size=2)
+        for step in rank_loader.steps(LoaderState(seed=3)):
+            seen += [int(r) for mb in step.microbatches for r in mb.rows]
+            if step.state_after.epoch == 1:
+                break
+    assert sorted(seen) == list(range(store.num_rows))
+
+
+def test_resuming_from_a_state_continues_the_same_sequence(world: World) -> None:
+    store = open_store(world.store)
+    rows_of = lambda step: [mb.rows.tolist() for mb in step.microbatches]  # noqa: E731
+    steps = list(itertools.islice(loader(store).steps(LoaderState(seed=1)), 12))
+    assert steps[-1].state_after.epoch >= 1  # the 12 steps cross an epoch boundary
+    head = list(itertools.islice(loader(store).steps(LoaderState(seed=1)), 5))
+    tail = [rows_of(s) for s in itertools.islice(loader(store).steps(head[-1].state_after), 7)]
+    assert [rows_of(s) for s in steps] == [rows_of(s) for s in head] + tail
+
+
+def test_a_read_error_in_the_background_reaches_the_trainer(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_store(world.store)
+    calls = itertools.count()
+
+    def failing_hidden(i: int) -> torch.Tensor:
+        if next(calls) == 20:
+            raise OSError("disk went away")
+        return TeacherStore.hidden(store, i)
+
+    monkeypatch.setattr(store, "hidden", failing_hidden)
+    with pytest.raises(OSError, match="disk went away"):
+        for _ in loader(store).steps(LoaderState(seed=0)):
+            pass
+
+
+def test_closing_the_stream_stops_the_reader_thread(world: World) -> None:
+    steps = loader(open_store(world.store)).steps(LoaderState(seed=0))
+    next(steps)
+    assert any(t.name == "mopd-loader" for t in threading.enumerate())
+    steps.close()
+    assert not any(t.name == "mopd-loader" for t in threading.enumerate())

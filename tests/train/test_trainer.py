@@ -1,0 +1,299 @@
+"""`mopd train` end to end on real tiny transformers models and real stores (issue 5's acceptance)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from mopd.store.errors import ConfigError, ManifestError
+from mopd.store.reader import open_store
+from mopd.store.teachers import TEACHER_LIST_FILE
+from mopd.train.checkpoint import complete_checkpoints
+from mopd.train.metrics import METRICS_FILE, PLOT_FILE, read_metrics
+from mopd.train.trainer import NonFiniteError, Trainer, TrainResult, run_training, teacher_weights
+from tests.train.world import World, world_config
+
+REQUIRED_KEYS = {
+    "step",
+    "loss",
+    "divergence",
+    "divergence_by_teacher",
+    "divergence_min",
+    "divergence_max",
+    "grad_norm",
+    "tokens_per_s",
+}
+
+
+def train(config: Any, **kwargs: Any) -> TrainResult:
+    return run_training(config, log=lambda _line: None, **kwargs)
+
+
+def train_losses(result: TrainResult) -> list[float]:
+    return [r["loss"] for r in result.records if r.get("split", "train") == "train"]
+
+
+def test_self_distillation_starts_at_zero_divergence(world: World, tmp_path: Path) -> None:
+    """Student = the teacher's own checkpoint, fp32 store of that teacher: step 1 sees KL ≈ 0 per token."""
+    config = world_config(
+        world,
+        tmp_path,
+        store=world.self_store,
+        teachers={"math": world.teachers["math"]},
+        student=world.teachers["math"],
+    )
+    first = train(config, max_steps=1).records[0]
+    assert first["step"] == 1 and first["trained_tokens"] > 100
+    # KL ≥ 0 in exact arithmetic; fp32 rounding leaves ±2e-7 around zero.
+    assert max(abs(first["divergence_min"]), abs(first["divergence_max"])) <= 1e-6
+    assert abs(first["loss"]) <= 1e-6
+
+
+def test_learning_from_two_teachers_halves_held_out_divergence(world: World, tmp_path: Path) -> None:
+    """200 steps from a fresh student: the held-out divergence to each teacher falls by at least half,
+    and metrics.jsonl and the PNG plot are written."""
+    config = world_config(
+        world, tmp_path, steps=200, eval={"rows": 8, "every": 50}, checkpoint={"every": 100, "keep": 1}
+    )
+    result = train(config)
+    evals = [r for r in result.records if r.get("split") == "eval"]
+    assert [r["step"] for r in evals] == [0, 50, 100, 150, 200]
+    start, end = evals[0]["divergence_by_teacher"], evals[-1]["divergence_by_teacher"]
+    assert set(start) == set(end) == {"0", "1"}
+    for teacher in start:
+        assert end[teacher] <= 0.5 * start[teacher], (teacher, start[teacher], end[teacher])
+    print(
+        "learning curve (held-out divergence by teacher):",
+        [(r["step"], r["divergence_by_teacher"]) for r in evals],
+    )
+
+    records = read_metrics(tmp_path / "run" / METRICS_FILE)
+    train_records = [r for r in records if r.get("split", "train") == "train"]
+    assert [r["step"] for r in train_records] == list(range(1, 201))
+    for record in train_records:
+        assert set(record) >= REQUIRED_KEYS
+        assert all(math.isfinite(record[k]) for k in REQUIRED_KEYS - {"divergence_by_teacher", "step"})
+        assert record["divergence_min"] <= record["divergence"] <= record["divergence_max"]
+    assert [r["step"] for r in records if r.get("split") == "eval"] == [0, 50, 100, 150, 200]
+    png = (tmp_path / "run" / PLOT_FILE).read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    assert [p.name for p in complete_checkpoints(tmp_path / "run" / "checkpoints")] == ["step_00000200"]
+
+
+def _student_reference(trainer: Trainer, rows: np.ndarray) -> torch.Tensor:
+    """Per trained token, reverse KL between the student's full logits and the row's own teacher logits."""
+    values = []
+    with torch.no_grad():
+        for r in rows:
+            row = trainer.store.row(int(r))
+            logits = trainer.student.model(input_ids=row.input_ids[None]).logits[0][row.loss_mask]
+            teacher = trainer.store.teacher_logits(int(r))[row.loss_mask]
+            logp_s, logp_t = logits.log_softmax(-1), teacher.log_softmax(-1)
+            values.append((logp_s.exp() * (logp_s - logp_t)).sum(-1))
+    return torch.cat(values)
+
+
+def test_each_row_uses_its_own_teachers_head(world: World, tmp_path: Path) -> None:
+    trainer = Trainer(world_config(world, tmp_path, lm_head_lifecycle="none"), log=lambda _line: None)
+    step = next(trainer.loader.steps(trainer_state(trainer)))
+    mb = step.microbatches[0]
+    assert set(mb.teacher_hidden) == {0, 1}, "the first microbatch should mix both teachers"
+    with torch.no_grad():
+        hidden = trainer.student.hidden_states(mb.input_ids, mb.attention_mask)[mb.loss_mask]
+        norm = torch.full((mb.num_trained,), 1.0 / mb.num_trained)
+        _, per_token = trainer.objective(hidden, trainer.student.head, mb, norm)
+        torch.testing.assert_close(per_token, _student_reference(trainer, mb.rows), rtol=1e-5, atol=1e-5)
+        heads = trainer.heads._kept
+        heads[0], heads[1] = heads[1], heads[0]
+        _, swapped = trainer.objective(hidden, trainer.student.head, mb, norm)
+    # Random teachers sit at similar mean distances from a random student, so the mean barely moves;
+    # each token's value does.
+    assert float((swapped - per_token).abs().mean()) > 0.1 * float(per_token.mean())
+
+
+def trainer_state(trainer: Trainer) -> Any:
+    from mopd.train.data_order import LoaderState
+
+    return LoaderState(trainer.tc.seed)
+
+
+def test_a_store_of_one_teachers_rows_trains_as_a_one_teacher_run(world: World, tmp_path: Path) -> None:
+    """Two teachers configured, only math rows stored ≡ the math teacher alone: bit-identical losses."""
+    both = world_config(world, tmp_path / "both", store=world.math_rows_store, steps=4)
+    alone = world_config(
+        world,
+        tmp_path / "alone",
+        store=world.math_teacher_store,
+        teachers={"math": world.teachers["math"]},
+        steps=4,
+    )
+    assert open_store(world.math_rows_store).teacher(1).aliases == ["math"]  # math is index 1 there, 0 alone
+    a, b = train_losses(train(both)), train_losses(train(alone))
+    assert len(a) == 4 and a == b
+
+
+@pytest.mark.parametrize("lifecycle", ["offload", "evict"])
+def test_head_lifecycles_keep_one_head_on_device_and_match_none(
+    world: World, tmp_path: Path, lifecycle: str
+) -> None:
+    resident = train(world_config(world, tmp_path / "none", steps=3, lm_head_lifecycle="none"))
+    managed = train(world_config(world, tmp_path / lifecycle, steps=3, lm_head_lifecycle=lifecycle))
+    assert resident.heads_peak_resident == 2
+    assert managed.heads_peak_resident == 1
+    np.testing.assert_allclose(train_losses(managed), train_losses(resident), rtol=1e-6, atol=1e-7)
+
+
+def test_evict_rereads_heads_from_the_store(world: World, tmp_path: Path) -> None:
+    trainer = Trainer(world_config(world, tmp_path, steps=2, lm_head_lifecycle="evict"), log=lambda _l: None)
+    assert trainer.heads.reads == 0
+    trainer.run()
+    assert trainer.heads.reads >= 4  # each of 2 teachers, at least once per step
+
+
+def test_sequence_level_loss_weights_rows_equally(world: World, tmp_path: Path) -> None:
+    trainer = Trainer(world_config(world, tmp_path, divergence={"level": "sequence"}), log=lambda _line: None)
+    mb = next(trainer.loader.steps(trainer_state(trainer))).microbatches[0]
+    with torch.no_grad():
+        hidden = trainer.student.hidden_states(mb.input_ids, mb.attention_mask)[mb.loss_mask]
+        rows_trained = int(mb.loss_mask.any(1).sum())
+        loss, per_token = trainer.objective(
+            hidden, trainer.student.head, mb, trainer._token_norm(mb, rows_trained)
+        )
+    row_means = [per_token[mb.token_row == b].mean() for b in range(len(mb.rows)) if mb.loss_mask[b].any()]
+    torch.testing.assert_close(loss, torch.stack(row_means).mean(), rtol=1e-6, atol=1e-7)
+
+
+def test_ce_mix_and_teacher_weights(world: World, tmp_path: Path) -> None:
+    trainer = Trainer(world_config(world, tmp_path, lm_head_lifecycle="none"), log=lambda _line: None)
+    mb = next(trainer.loader.steps(trainer_state(trainer))).microbatches[0]
+    with torch.no_grad():
+        hidden = trainer.student.hidden_states(mb.input_ids, mb.attention_mask)[mb.loss_mask]
+        norm = torch.full((mb.num_trained,), 1.0 / mb.num_trained)
+        base, per_token = trainer.objective(hidden, trainer.student.head, mb, norm)
+        logits = trainer.student.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+        ce = torch.nn.functional.cross_entropy(
+            logits[mb.loss_mask], mb.labels, ignore_index=-100, reduction="sum"
+        )
+        trainer.objective.cfg = trainer.objective.cfg.model_copy(update={"ce_weight": 0.5})
+        mixed, _ = trainer.objective(hidden, trainer.student.head, mb, norm)
+        torch.testing.assert_close(mixed - base, 0.5 * ce / mb.num_trained, rtol=1e-5, atol=1e-6)
+        trainer.objective.cfg = trainer.objective.cfg.model_copy(update={"ce_weight": 0.0})
+        trainer.objective.weight_of[0] = 3.0
+        weighted, _ = trainer.objective(hidden, trainer.student.head, mb, norm)
+    expected = (per_token * torch.where(mb.token_teacher == 0, 3.0, 1.0)).sum() / mb.num_trained
+    torch.testing.assert_close(weighted, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_teacher_weights_follow_the_stores_aliases(world: World) -> None:
+    manifest = open_store(world.store).manifest
+    assert teacher_weights(manifest, {"math": 2.0}) == {0: 1.0, 1: 2.0}  # code is 0, math is 1
+    with pytest.raises(ConfigError, match=r"teacher_weights\.chat: the store has no teacher under"):
+        teacher_weights(manifest, {"chat": 2.0})
+    teachers = [
+        t.model_copy(update={"aliases": [*t.aliases, "algebra"]}) if t.index == 1 else t
+        for t in manifest.teachers
+    ]
+    shared = manifest.model_copy(update={"teachers": teachers})
+    assert teacher_weights(shared, {"math": 2.0, "algebra": 2.0})[1] == 2.0
+    with pytest.raises(ConfigError, match=r"aliases \['algebra', 'math'\] share teacher 1"):
+        teacher_weights(shared, {"math": 2.0})
+
+
+def _truncated_run(config: Any, crash_at: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = Trainer.train_step
+
+    def crashing(self: Trainer, step: int, batch: Any) -> dict:
+        if step == crash_at:
+            raise KeyboardInterrupt("killed")
+        return original(self, step, batch)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "train_step", crashing)
+        with pytest.raises(KeyboardInterrupt):
+            train(config)
+
+
+def test_resume_after_a_crash_continues_exactly(
+    world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed during step 4 (checkpoints every 2), resumed to 6, resumed again to 8: steps 3..8 equal the
+    uninterrupted run within 1e-6 and metrics.jsonl holds every step once."""
+    options = dict(steps=8, checkpoint={"every": 2, "keep": 2})
+    whole = train_losses(train(world_config(world, tmp_path / "whole", **options)))
+    config = world_config(world, tmp_path / "parts", **options)
+    _truncated_run(config, crash_at=4, monkeypatch=monkeypatch)
+    run = tmp_path / "parts" / "run"
+    assert [p.name for p in complete_checkpoints(run / "checkpoints")] == ["step_00000002"]
+    assert [r["step"] for r in read_metrics(run / METRICS_FILE)] == [1, 2, 3]
+    first = train(config, max_steps=6)
+    second = train(config)
+    assert (first.first_step, first.last_step, second.first_step, second.last_step) == (3, 6, 7, 8)
+    resumed = [r["loss"] for r in read_metrics(run / METRICS_FILE)]
+    assert [r["step"] for r in read_metrics(run / METRICS_FILE)] == list(range(1, 9))
+    np.testing.assert_allclose(resumed, whole, rtol=1e-6, atol=1e-7)
+    assert [p.name for p in complete_checkpoints(run / "checkpoints")] == ["step_00000006", "step_00000008"]
+
+
+def _edit_teacher_list(checkpoint: Path, edit: str) -> None:
+    path = checkpoint / TEACHER_LIST_FILE
+    teachers = json.loads(path.read_text())["teachers"]
+    if edit == "renumbered":
+        teachers[0]["index"], teachers[1]["index"] = teachers[1]["index"], teachers[0]["index"]
+    elif edit == "dropped":
+        teachers.pop()
+    elif edit == "added":
+        teachers.append({"index": 2, "checkpoint": "/elsewhere/teacher", "fingerprint": "f" * 64})
+    else:
+        teachers[0]["fingerprint"] = "0" * 64
+    path.write_text(json.dumps({"teachers": teachers}))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ("renumbered", "renumbered"),
+        ("dropped", "dropped from the checkpoint"),
+        ("added", "added in the checkpoint"),
+        ("refingerprinted", "fingerprint changed"),
+    ],
+)
+def test_resume_refuses_a_different_teacher_list(
+    world: World, tmp_path: Path, edit: str, message: str
+) -> None:
+    config = world_config(world, tmp_path, steps=4)
+    checkpoint = train(config, max_steps=1).checkpoint
+    assert checkpoint is not None
+    _edit_teacher_list(checkpoint, edit)
+    with pytest.raises(ManifestError, match=message) as err:
+        train(config)
+    assert "cannot resume" in str(err.value)
+
+
+def test_no_resume_refuses_a_run_folder_with_checkpoints(world: World, tmp_path: Path) -> None:
+    config = world_config(world, tmp_path, steps=4)
+    train(config, max_steps=1)
+    with pytest.raises(ConfigError, match="--resume"):
+        train(config, resume=False)
+
+
+def test_non_finite_loss_stops_before_the_update(world: World, tmp_path: Path) -> None:
+    config = world_config(world, tmp_path, steps=3, checkpoint={"every": 1, "keep": 3})
+    trainer = Trainer(config, log=lambda _line: None)
+    trainer.run(max_steps=1)
+    final_norm = trainer.student.model.base_model.norm.weight
+    with torch.no_grad():
+        final_norm[0] = float("nan")
+    before = {n: p.detach().clone() for n, p in trainer.student.model.named_parameters()}
+    steps = trainer.loader.steps(trainer_state(trainer))
+    with pytest.raises(NonFiniteError, match=r"step 2: non-finite divergence on rank 0 for teacher") as err:
+        trainer.train_step(2, next(steps))
+    assert "step_00000001 is untouched" in str(err.value)
+    for name, param in trainer.student.model.named_parameters():
+        torch.testing.assert_close(param, before[name], equal_nan=True, rtol=0, atol=0)
+    assert trainer.optimizer.state_dict()["state"][0]["step"] == 1

@@ -1,0 +1,75 @@
+"""The data-parallel group of a training run: torchrun's environment, or an already initialised group.
+
+Gradients are summed across ranks once per optimiser step, after every microbatch of the step has run
+its backward, in one flat all-reduce per bucket. The loss is normalised by the global trained-token
+count beforehand, so the sum is the exact gradient of the global batch — also when ranks hold different
+numbers of microbatches (which a per-backward DDP hook schedule cannot allow).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_BUCKET_ELEMENTS = 1 << 24  # 64 MiB of fp32 per all-reduce
+
+
+@dataclass
+class DataParallel:
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+    owns_group: bool = False
+
+    @classmethod
+    def from_environment(cls, device: torch.device) -> DataParallel:
+        """The default process group: the one already initialised, or one from torchrun's variables."""
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return cls()
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        return cls(dist.get_rank(), dist.get_world_size(), owns_group=True)
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
+        if self.enabled:
+            dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.group)
+        return tensor
+
+    def sum_gradients(self, parameters: Sequence[torch.nn.Parameter]) -> None:
+        """Sums every parameter's gradient over the ranks (a missing gradient counts as zeros)."""
+        if not self.enabled:
+            return
+        for p in parameters:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        buckets: list[list[torch.Tensor]] = [[]]
+        filled = 0
+        for p in parameters:
+            assert p.grad is not None
+            if filled >= _BUCKET_ELEMENTS:
+                buckets.append([])
+                filled = 0
+            buckets[-1].append(p.grad)
+            filled += p.grad.numel()
+        for grads in buckets:
+            flat = self.all_reduce(torch.cat([g.reshape(-1) for g in grads]))
+            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier(group=self.group)
+
+    def close(self) -> None:
+        if self.owns_group:
+            dist.destroy_process_group()

@@ -1,0 +1,89 @@
+"""`OUTPUT/metrics.jsonl` (one JSON object per optimiser step, DESIGN §7), the step line and the plot."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "metrics.png"
+
+
+class MetricsLog:
+    """Appends one JSON line per record, flushed at once (a crash loses at most the line being written).
+
+    On resume, lines of steps after the resumed checkpoint (trained, then lost with the crash) are
+    dropped, so every step appears once.
+    """
+
+    def __init__(self, output: Path, *, resume_step: int | None) -> None:
+        self.path = output / METRICS_FILE
+        output.mkdir(parents=True, exist_ok=True)
+        kept = read_metrics(self.path) if resume_step is not None and self.path.exists() else []
+        kept = [r for r in kept if r["step"] <= (resume_step or 0)]
+        temp = self.path.with_name(self.path.name + ".rewrite")
+        temp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+        os.replace(temp, self.path)
+        self._file = self.path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics file; a torn last line (a crash mid-write) is ignored."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def step_line(record: dict[str, Any], total_steps: int) -> str:
+    """The one-line summary printed per step."""
+    by_teacher = " ".join(f"t{t}={v:.4g}" for t, v in sorted(record["divergence_by_teacher"].items()))
+    return (
+        f"step {record['step']}/{total_steps} loss {record['loss']:.5g} div {record['divergence']:.5g} "
+        f"[{by_teacher}] min {record['divergence_min']:.3g} max {record['divergence_max']:.3g} "
+        f"gnorm {record['grad_norm']:.3g} lr {record['lr']:.3g} {record['tokens_per_s']:,.0f} tok/s "
+        f"mem {record['memory_gib']:.2f} GiB"
+    )
+
+
+def plot_metrics(metrics: Path, out: Path) -> Path:
+    """Draws loss and per-teacher divergence (train, and eval where present) against step into a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics)
+    train = [r for r in records if r.get("split", "train") == "train"]
+    evals = [r for r in records if r.get("split") == "eval"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot([r["step"] for r in train], [r["loss"] for r in train], label="loss")
+    left.set(xlabel="step", ylabel="loss", title="training loss")
+    teachers = sorted({t for r in records for t in r["divergence_by_teacher"]}, key=int)
+    for t in teachers:
+        for rows, style, label in ((train, "-", f"teacher {t}"), (evals, "o--", f"teacher {t} (eval)")):
+            points = [(r["step"], r["divergence_by_teacher"].get(t)) for r in rows]
+            points = [(step, value) for step, value in points if value is not None]
+            if points:
+                steps, values = zip(*points, strict=True)
+                right.plot(steps, values, style, label=label)
+    right.set(xlabel="step", ylabel="divergence per token", title="divergence by teacher", yscale="log")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,491 @@
+"""`mopd train`: distil the student from the store (DESIGN §7).
+
+One optimiser step: this rank's microbatches of the step run forward and backward one at a time, each
+token's loss weighted by 1 / (the step's trained tokens over all ranks) — or, at sequence level, by
+1 / (its row's trained tokens × the step's trained rows over all ranks) — so the gradients summed over
+the ranks are those of the global batch whatever the rank count. Then the gradient norm is checked and
+clipped, and AdamW steps under a linear-warmup, cosine-decay schedule.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mopd.store.config import DivergenceConfig, MopdConfig, TrainConfig
+from mopd.store.errors import ConfigError, ManifestError, MopdError
+from mopd.store.manifest import Manifest
+from mopd.store.reader import TeacherStore, open_store
+from mopd.store.teachers import TeacherIdentity, diff_teacher_lists, read_teacher_list
+from mopd.train.checkpoint import ResumePoint, complete_checkpoints, load_checkpoint, save_checkpoint
+from mopd.train.data_order import LoaderState, rank_microbatches
+from mopd.train.distributed import DataParallel
+from mopd.train.divergence import linear_cross_entropy, linear_divergence
+from mopd.train.heads import TeacherHeads
+from mopd.train.loader import MicroBatch, Step, StoreLoader, read_microbatch
+from mopd.train.metrics import PLOT_FILE, MetricsLog, plot_metrics, step_line
+from mopd.train.student import HFStudent
+
+Log = Callable[[str], None]
+
+
+class NonFiniteError(MopdError):
+    """A loss or gradient was NaN or infinite; the step was not applied."""
+
+
+@dataclass
+class TrainResult:
+    output: Path
+    first_step: int  # the first step this run trained (resumed runs start after their checkpoint)
+    last_step: int
+    checkpoint: Path | None
+    heads_peak_resident: int
+    records: list[dict] = field(default_factory=list)  # this run's metrics records, train and eval
+
+
+def held_out_rows(num_rows: int, count: int, seed: int) -> np.ndarray:
+    """The rows evaluated instead of trained: a seeded choice, a pure function of (rows, count, seed)."""
+    if count >= num_rows:
+        raise ConfigError(f"train.eval.rows: {count} held-out rows leave none of the {num_rows} to train")
+    return np.sort(np.random.default_rng([seed, 1 << 20]).choice(num_rows, size=count, replace=False))
+
+
+def teacher_weights(manifest: Manifest, by_alias: dict[str, float]) -> dict[int, float]:
+    """Weight of each teacher index from `train.teacher_weights` (alias → weight, default 1).
+
+    Aliases are those the store recorded for each teacher; aliases of one teacher must agree.
+    """
+    known = {alias for teacher in manifest.teachers for alias in teacher.aliases}
+    for alias in sorted(set(by_alias) - known):
+        raise ConfigError(
+            f"train.teacher_weights.{alias}: the store has no teacher under this alias "
+            f"(its aliases: {', '.join(sorted(known))})"
+        )
+    weights = {}
+    for teacher in manifest.teachers:
+        given = {alias: by_alias.get(alias, 1.0) for alias in teacher.aliases}
+        if len(set(given.values())) > 1:
+            raise ConfigError(
+                f"train.teacher_weights: aliases {sorted(given)} share teacher {teacher.index} "
+                f"({teacher.checkpoint}) but have different weights {given}; give them one weight"
+            )
+        weights[teacher.index] = next(iter(given.values()), 1.0)
+    return weights
+
+
+def lr_factor(step: int, *, warmup: int, total: int) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to 0 at `total` (`step` counts from 0)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class _Objective:
+    """The loss of one microbatch: weighted divergence to each token's teacher (+ hard-label CE)."""
+
+    def __init__(
+        self, cfg: DivergenceConfig, heads: TeacherHeads, weights: dict[int, float], vocab_size: int
+    ) -> None:
+        self.cfg, self.heads, self.vocab_size = cfg, heads, vocab_size
+        self.weight_of = torch.zeros(max(weights) + 1)
+        for t, w in weights.items():
+            self.weight_of[t] = w
+
+    def __call__(
+        self, hidden_NH: torch.Tensor, head: torch.Tensor, mb: MicroBatch, norm_N: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss with gradients, per-token divergence [N] before any weighting)."""
+        cfg = self.cfg
+        weights_N = norm_N * self.weight_of[mb.token_teacher].to(norm_N.device)
+        options = dict(
+            kind=cfg.kind,
+            beta=cfg.beta,
+            temperature=cfg.temperature,
+            chunk_size=cfg.chunk_size,
+            vocab_size=self.vocab_size,
+            teacher_transforms=self.heads.transforms,
+        )
+        if self.heads.all_on_device:
+            out = linear_divergence(
+                hidden_NH,
+                head,
+                mb.teacher_hidden,
+                self.heads.resident(),
+                mb.token_teacher,
+                weights=weights_N,
+                **options,
+            )
+            loss, per_token = out.loss, out.per_token
+        else:  # one teacher's head on the device at a time
+            loss = hidden_NH.new_zeros(())
+            per_token = torch.zeros(hidden_NH.shape[0], device=hidden_NH.device)
+            for t in sorted(mb.teacher_hidden):
+                sel = (mb.token_teacher == t).nonzero()[:, 0].to(hidden_NH.device)
+                with self.heads.use(t) as teacher_head:
+                    out = linear_divergence(
+                        hidden_NH[sel],
+                        head,
+                        mb.teacher_hidden[t],
+                        {t: teacher_head},
+                        None,
+                        weights=weights_N[sel],
+                        **options,
+                    )
+                loss = loss + out.loss
+                per_token[sel] = out.per_token
+        if cfg.ce_weight > 0:
+            ce = linear_cross_entropy(
+                hidden_NH,
+                head,
+                mb.labels,
+                weights=norm_N,
+                chunk_size=cfg.chunk_size,
+                vocab_size=self.vocab_size,
+            )
+            loss = loss + cfg.ce_weight * ce.loss
+        return loss, per_token
+
+
+class _StepStats:
+    """Sums over trained tokens, per teacher, reduced over the data-parallel ranks."""
+
+    def __init__(self, num_teachers: int) -> None:
+        self.sums = torch.zeros(num_teachers, dtype=torch.float64)
+        self.counts = torch.zeros(num_teachers, dtype=torch.float64)
+        self.extremes = torch.tensor([math.inf, math.inf], dtype=torch.float64)  # min, −max: both minimised
+        self.nonfinite = torch.zeros(num_teachers, dtype=torch.float64)
+        self.loss = torch.zeros((), dtype=torch.float64)
+
+    def add(self, per_token: torch.Tensor, teacher: torch.Tensor, loss: torch.Tensor) -> None:
+        values = per_token.detach().double().cpu()
+        finite = torch.isfinite(values)
+        self.nonfinite.index_add_(0, teacher[~finite], torch.ones(int((~finite).sum()), dtype=torch.float64))
+        self.sums.index_add_(0, teacher, values)
+        self.counts.index_add_(0, teacher, torch.ones_like(values))
+        if values.numel():
+            self.extremes = torch.minimum(self.extremes, torch.stack([values.min(), -values.max()]))
+        self.loss += loss.detach().double().cpu()
+
+    def reduce(self, dp: DataParallel) -> None:
+        import torch.distributed as dist
+
+        packed = dp.all_reduce(torch.cat([self.sums, self.counts, self.nonfinite, self.loss[None]]))
+        k = self.sums.shape[0]
+        self.sums, self.counts, self.nonfinite, self.loss = (
+            packed[:k],
+            packed[k : 2 * k],
+            packed[2 * k : 3 * k],
+            packed[-1],
+        )
+        self.extremes = dp.all_reduce(self.extremes, dist.ReduceOp.MIN)
+
+    def record(self) -> dict:
+        present = self.counts > 0
+        total = float(self.counts.sum())
+        return {
+            "loss": float(self.loss),
+            "divergence": float(self.sums.sum()) / total if total else 0.0,
+            "divergence_by_teacher": {
+                str(t): float(self.sums[t] / self.counts[t]) for t in present.nonzero()[:, 0].tolist()
+            },
+            "divergence_min": float(self.extremes[0]) if total else 0.0,
+            "divergence_max": float(-self.extremes[1]) if total else 0.0,
+            "trained_tokens": int(total),
+        }
+
+
+class Trainer:
+    """A training run: the store, the student, the heads, the optimiser and the data order."""
+
+    def __init__(
+        self,
+        config: MopdConfig,
+        *,
+        store_path: str | Path | None = None,
+        output: str | Path | None = None,
+        log: Log = print,
+    ) -> None:
+        if config.train is None:
+            raise ConfigError("the config has no `train` section; add one (see DESIGN §9) to train")
+        tc: TrainConfig = config.train
+        if tc.backend != "hf":
+            raise ConfigError(f"train.backend: {tc.backend!r} is not available yet; use `hf`")
+        if tc.parallel.tp > 1 or tc.parallel.pp > 1:
+            raise ConfigError(
+                "train.parallel: the hf backend trains with data parallelism only (tp = pp = 1); tensor and "
+                "pipeline parallelism need train.backend megatron"
+            )
+        self.tc = tc
+        self.device = _resolve_device(tc.device)
+        self.dp = DataParallel.from_environment(self.device)
+        if self.device.type == "cuda" and self.dp.enabled:
+            self.device = torch.device("cuda", self.dp.rank % torch.cuda.device_count())
+        self.log = log if self.dp.rank == 0 else (lambda _line: None)
+        self.output = Path(output or tc.output_dir)
+        torch.manual_seed(tc.seed)
+        self.store: TeacherStore = open_store(store_path or config.store.path)
+        manifest = self.store.manifest
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[tc.dtype]
+        self.student = HFStudent(tc.student, device=self.device, dtype=dtype)
+        self.student.check_compatible(manifest)
+        self.vocab_size = manifest.teachers[0].vocab_size
+        self.heads = TeacherHeads(
+            self.store,
+            [t.index for t in manifest.teachers],
+            lifecycle=tc.lm_head_lifecycle,
+            device=self.device,
+            vocab_start=0,
+            vocab_stop=self.student.vocab_size,
+        )
+        if tc.lm_head_lifecycle == "none":
+            self.log(
+                f"lm_head_lifecycle none: {len(self.heads.teachers)} teacher heads stay on {self.device} "
+                f"({self.heads.resident_bytes / 2**20:.1f} MiB); this grows linearly with the teacher count"
+            )
+        self.objective = _Objective(
+            tc.divergence, self.heads, teacher_weights(manifest, tc.teacher_weights), self.vocab_size
+        )
+        held = held_out_rows(self.store.num_rows, tc.eval.rows, tc.seed) if tc.eval.rows else np.zeros(0, int)
+        self.eval_rows = held
+        self.loader = StoreLoader(
+            self.store,
+            np.setdiff1d(np.arange(self.store.num_rows), held),
+            micro_batch_tokens=tc.batch.micro_batch_tokens,
+            global_batch_tokens=tc.batch.global_batch_tokens,
+            dp_rank=self.dp.rank,
+            dp_size=self.dp.size,
+        )
+        self.optimizer = torch.optim.AdamW(
+            self.student.parameters(), lr=tc.optim.lr, weight_decay=tc.optim.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, warmup=tc.optim.warmup_steps, total=tc.steps)
+        )
+        self.teacher_list = [TeacherIdentity(t.index, t.checkpoint, t.fingerprint) for t in manifest.teachers]
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.output / "checkpoints"
+
+    def _resume_point(self, resume: bool | None) -> ResumePoint | None:
+        found = complete_checkpoints(self.checkpoint_root)
+        if not found:
+            return None
+        latest = found[-1]
+        if resume is False:
+            raise ConfigError(
+                f"{self.output} already holds checkpoints (latest {latest.name}); pass --resume to continue "
+                "that run, or choose another --output"
+            )
+        problems = diff_teacher_lists(self.teacher_list, read_teacher_list(latest))
+        if problems:
+            raise ManifestError(
+                f"cannot resume from {latest}: its teacher list differs from the store {self.store.root}:\n  "
+                + "\n  ".join(problems)
+            )
+        point = load_checkpoint(
+            latest, student=self.student, optimizer=self.optimizer, scheduler=self.scheduler
+        )
+        if point.loader.seed != self.tc.seed:
+            raise ConfigError(
+                f"train.seed is {self.tc.seed}, the checkpoint {latest} was trained with seed "
+                f"{point.loader.seed}; the data order would change — restore the seed or start a new run"
+            )
+        self.log(f"resuming from {latest} (step {point.step})")
+        return point
+
+    def _token_norm(self, mb: MicroBatch, denominator: float) -> torch.Tensor:
+        if self.tc.divergence.level == "token":
+            return torch.full((mb.num_trained,), 1.0 / denominator, device=self.device)
+        per_row = mb.loss_mask.sum(1).to(torch.float32)
+        return 1.0 / (per_row[mb.token_row] * denominator)
+
+    def _global_denominator(self, microbatches: list[MicroBatch]) -> tuple[float, float]:
+        """(normaliser of the loss, all tokens of the step), both summed over the ranks."""
+        trained = sum(mb.num_trained for mb in microbatches)
+        rows = sum(int(mb.loss_mask.any(1).sum()) for mb in microbatches)
+        tokens = sum(mb.num_tokens for mb in microbatches)
+        counts = self.dp.all_reduce(torch.tensor([trained, rows, tokens], dtype=torch.float64))
+        denominator = counts[0] if self.tc.divergence.level == "token" else counts[1]
+        return max(float(denominator), 1.0), float(counts[2])
+
+    def train_step(self, step: int, batch: Step) -> dict:
+        """Forward and backward of this rank's microbatches, gradient sum over ranks, optimiser step."""
+        start = time.perf_counter()
+        params = self.student.parameters()
+        self.optimizer.zero_grad(set_to_none=True)
+        denominator, tokens = self._global_denominator(batch.microbatches)
+        stats = _StepStats(len(self.objective.weight_of))
+        for mb in batch.microbatches:
+            mb = mb.to(self.device)
+            hidden = self.student.hidden_states(mb.input_ids, mb.attention_mask)[mb.loss_mask]
+            loss, per_token = self.objective(hidden, self.student.head, mb, self._token_norm(mb, denominator))
+            loss.backward()
+            stats.add(per_token, mb.token_teacher, loss)
+        self.dp.sum_gradients(params)
+        stats.reduce(self.dp)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.tc.optim.grad_clip))
+        if stats.nonfinite.any() or not math.isfinite(grad_norm) or not math.isfinite(float(stats.loss)):
+            self._refuse_nonfinite(step, stats, grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        elapsed = time.perf_counter() - start
+        return {
+            "step": step,
+            **stats.record(),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": int(tokens),
+            "tokens_per_s": tokens / elapsed,
+            "memory_gib": _memory_gib(self.device),
+        }
+
+    def _refuse_nonfinite(self, step: int, stats: _StepStats, grad_norm: float) -> None:
+        flags = torch.zeros(self.dp.size, dtype=torch.float64)
+        flags[self.dp.rank] = float(stats.nonfinite.sum())
+        ranks = self.dp.all_reduce(flags).nonzero()[:, 0].tolist()
+        teachers = stats.nonfinite.nonzero()[:, 0].tolist()
+        where = (
+            f"non-finite divergence on rank {', '.join(map(str, ranks))} for teacher "
+            f"{', '.join(map(str, teachers))}"
+            if teachers
+            else f"non-finite gradient (norm {grad_norm}) on rank {self.dp.rank}"
+        )
+        latest = complete_checkpoints(self.checkpoint_root)
+        kept = (
+            f"the last complete checkpoint {latest[-1]} is untouched"
+            if latest
+            else "no checkpoint was written"
+        )
+        raise NonFiniteError(
+            f"step {step}: {where}; the step was not applied and {kept}. Lower train.optim.lr or check the "
+            "store with `mopd verify-manifest --full`"
+        )
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> dict:
+        """Mean divergence per trained token of the held-out rows, by teacher (no weighting, no CE)."""
+        self.student.model.eval()
+        lengths = self.store.lengths
+        stats = _StepStats(len(self.objective.weight_of))
+        for rows in rank_microbatches(
+            self.eval_rows,
+            lengths,
+            dp_rank=self.dp.rank,
+            dp_size=self.dp.size,
+            micro_batch_tokens=self.tc.batch.micro_batch_tokens,
+        ):
+            mb = read_microbatch(self.store, rows).to(self.device)
+            hidden = self.student.hidden_states(mb.input_ids, mb.attention_mask)[mb.loss_mask]
+            norm = torch.zeros(mb.num_trained, device=self.device)
+            _, per_token = self.objective(hidden, self.student.head.detach(), mb, norm)
+            stats.add(per_token, mb.token_teacher, torch.zeros(()))
+        stats.reduce(self.dp)
+        self.student.model.train()
+        record = stats.record()
+        del record["loss"]
+        return {"split": "eval", "step": step, **record}
+
+    def _should_eval(self, step: int, last: int) -> bool:
+        every = self.tc.eval.every
+        return self.eval_rows.shape[0] > 0 and (step == last or (every > 0 and step % every == 0))
+
+    def run(self, *, resume: bool | None = None, max_steps: int | None = None) -> TrainResult:
+        """Trains from the start or the latest checkpoint up to `max_steps` (default train.steps)."""
+        try:
+            return self._run(resume, max_steps)
+        finally:
+            self.dp.close()
+
+    def _run(self, resume: bool | None, max_steps: int | None) -> TrainResult:
+        point = self._resume_point(resume)
+        first = (point.step if point else 0) + 1
+        last = min(self.tc.steps, max_steps if max_steps is not None else self.tc.steps)
+        metrics = (
+            MetricsLog(self.output, resume_step=point.step if point else None) if self.dp.rank == 0 else None
+        )
+        result = TrainResult(self.output, first, last, None, 0)
+
+        def emit(record: dict, line: str) -> None:
+            result.records.append(record)
+            if metrics is not None:
+                metrics.write(record)
+            self.log(line)
+
+        if first == 1 and self.eval_rows.shape[0]:
+            record = self.evaluate(0)
+            emit(
+                record,
+                f"eval step 0: divergence {record['divergence']:.5g} {record['divergence_by_teacher']}",
+            )
+        steps: Iterator[Step] = self.loader.steps(point.loader if point else LoaderState(self.tc.seed))
+        try:
+            for step in range(first, last + 1):
+                batch = next(steps)
+                record = self.train_step(step, batch)
+                emit(record, step_line(record, self.tc.steps))
+                if step % self.tc.checkpoint.every == 0 or step == last:
+                    if self.dp.rank == 0:
+                        result.checkpoint = save_checkpoint(
+                            self.checkpoint_root,
+                            step,
+                            student=self.student,
+                            optimizer=self.optimizer,
+                            scheduler=self.scheduler,
+                            loader=batch.state_after,
+                            teachers=self.teacher_list,
+                            keep=self.tc.checkpoint.keep,
+                        )
+                    self.dp.barrier()
+                if self._should_eval(step, last):
+                    record = self.evaluate(step)
+                    emit(
+                        record,
+                        f"eval step {step}: divergence {record['divergence']:.5g} "
+                        f"{record['divergence_by_teacher']}",
+                    )
+        finally:
+            if isinstance(steps, Iterator) and hasattr(steps, "close"):
+                steps.close()
+            if metrics is not None:
+                metrics.close()
+        result.heads_peak_resident = self.heads.peak_resident
+        if metrics is not None and metrics.path.stat().st_size:
+            self.log(f"metrics: {metrics.path}; plot: {plot_metrics(metrics.path, self.output / PLOT_FILE)}")
+        return result
+
+
+def run_training(
+    config: MopdConfig,
+    *,
+    store_path: str | Path | None = None,
+    output: str | Path | None = None,
+    resume: bool | None = None,
+    max_steps: int | None = None,
+    log: Log = print,
+) -> TrainResult:
+    """Builds the trainer and runs it (see `Trainer.run`)."""
+    return Trainer(config, store_path=store_path, output=output, log=log).run(
+        resume=resume, max_steps=max_steps
+    )
