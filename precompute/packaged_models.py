@@ -37,7 +37,8 @@ def smollm2_gguf() -> Path:
 
 def smollm2_checkpoint(cache_dir: Path | None = None) -> Path:
     """An HF checkpoint folder of SmolLM2-135M-Instruct (fp32), converted on first use, then cached."""
-    target = (cache_dir or default_cache_dir()) / "smollm2-135m-instruct"
+    # v2: config.json without the GGUF quantization_config, so a student loaded from it can be saved.
+    target = (cache_dir or default_cache_dir()) / "smollm2-135m-instruct.v2"
     if (target / "config.json").exists():
         return target
     import torch
@@ -46,7 +47,10 @@ def smollm2_checkpoint(cache_dir: Path | None = None) -> Path:
     gguf = smollm2_gguf()
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model.hf_quantizer = None  # type: ignore[assignment]  # the weights are dequantised; save them as plain safetensors
+    # The weights are dequantised: save them as plain safetensors, with no quantization in the config.
+    model.hf_quantizer = None  # type: ignore[assignment]
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
     temp = unique_temp_name(target)
     model.save_pretrained(temp)

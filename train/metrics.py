@@ -79,7 +79,13 @@ def plot_metrics(metrics: Path, out: Path) -> Path:
             if points:
                 steps, values = zip(*points, strict=True)
                 right.plot(steps, values, style, label=label)
-    right.set(xlabel="step", ylabel="divergence per token", title="divergence by teacher", yscale="log")
+    positive = all(v > 0 for r in records for v in r["divergence_by_teacher"].values())
+    right.set(
+        xlabel="step",
+        ylabel="divergence per token",
+        title="divergence by teacher",
+        yscale="log" if positive else "linear",  # fp32 KL near 0 can round to tiny negatives
+    )
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend()
