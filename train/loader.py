@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,7 +147,7 @@ class StoreLoader:
                 yield [self.rows[m] for m in micro], after or LoaderState(state.seed, epoch + 1, 0)
             epoch, position = epoch + 1, 0
 
-    def steps(self, state: LoaderState) -> Iterator[Step]:
+    def steps(self, state: LoaderState) -> Generator[Step, None, None]:
         """This rank's steps from `state` on, forever (epochs follow one another)."""
         out: queue.Queue[Step | BaseException] = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()

@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 import resource
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from mopd.store.config import DivergenceConfig, MopdConfig, TrainConfig
 from mopd.store.errors import ConfigError, ManifestError, MopdError
@@ -187,8 +188,6 @@ class _StepStats:
         self.loss += loss.detach().double().cpu()
 
     def reduce(self, dp: DataParallel) -> None:
-        import torch.distributed as dist
-
         packed = dp.all_reduce(torch.cat([self.sums, self.counts, self.nonfinite, self.loss[None]]))
         k = self.sums.shape[0]
         self.sums, self.counts, self.nonfinite, self.loss = (
@@ -422,10 +421,13 @@ class Trainer:
         point = self._resume_point(resume)
         first = (point.step if point else 0) + 1
         last = min(self.tc.steps, max_steps if max_steps is not None else self.tc.steps)
+        result = TrainResult(self.output, first, last, None, 0)
+        if first > last:
+            self.log(f"nothing to train: the run in {self.output} is at step {first - 1} of {last}")
+            return result
         metrics = (
             MetricsLog(self.output, resume_step=point.step if point else None) if self.dp.rank == 0 else None
         )
-        result = TrainResult(self.output, first, last, None, 0)
 
         def emit(record: dict, line: str) -> None:
             result.records.append(record)
@@ -439,7 +441,7 @@ class Trainer:
                 record,
                 f"eval step 0: divergence {record['divergence']:.5g} {record['divergence_by_teacher']}",
             )
-        steps: Iterator[Step] = self.loader.steps(point.loader if point else LoaderState(self.tc.seed))
+        steps = self.loader.steps(point.loader if point else LoaderState(self.tc.seed))
         try:
             for step in range(first, last + 1):
                 batch = next(steps)
@@ -466,8 +468,7 @@ class Trainer:
                         f"{record['divergence_by_teacher']}",
                     )
         finally:
-            if isinstance(steps, Iterator) and hasattr(steps, "close"):
-                steps.close()
+            steps.close()
             if metrics is not None:
                 metrics.close()
         result.heads_peak_resident = self.heads.peak_resident

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -16,7 +17,14 @@ from mopd.store.reader import open_store
 from mopd.store.teachers import TEACHER_LIST_FILE
 from mopd.train.checkpoint import complete_checkpoints
 from mopd.train.metrics import METRICS_FILE, PLOT_FILE, read_metrics
-from mopd.train.trainer import NonFiniteError, Trainer, TrainResult, run_training, teacher_weights
+from mopd.train.trainer import (
+    NonFiniteError,
+    Trainer,
+    TrainResult,
+    lr_factor,
+    run_training,
+    teacher_weights,
+)
 from tests.train.world import World, world_config
 
 REQUIRED_KEYS = {
@@ -238,6 +246,8 @@ def test_resume_after_a_crash_continues_exactly(
     assert [r["step"] for r in read_metrics(run / METRICS_FILE)] == list(range(1, 9))
     np.testing.assert_allclose(resumed, whole, rtol=1e-6, atol=1e-7)
     assert [p.name for p in complete_checkpoints(run / "checkpoints")] == ["step_00000006", "step_00000008"]
+    finished = train(config)  # a third resume finds nothing left and changes nothing
+    assert finished.records == [] and len(read_metrics(run / METRICS_FILE)) == 8
 
 
 def _edit_teacher_list(checkpoint: Path, edit: str) -> None:
@@ -297,3 +307,33 @@ def test_non_finite_loss_stops_before_the_update(world: World, tmp_path: Path) -
     for name, param in trainer.student.model.named_parameters():
         torch.testing.assert_close(param, before[name], equal_nan=True, rtol=0, atol=0)
     assert trainer.optimizer.state_dict()["state"][0]["step"] == 1
+
+
+def test_a_tied_student_trains_and_resumes_exactly(world: World, tmp_path: Path) -> None:
+    """Tied embeddings: the head is the embedding matrix (one parameter, both gradients), checkpoints
+    omit the duplicate and resuming re-ties it."""
+    from transformers import AutoTokenizer
+
+    from tests.precompute.teachers import save_teacher
+
+    tokenizer = AutoTokenizer.from_pretrained(world.student)
+    student = save_teacher(
+        tmp_path / "tied", "llama", hidden_size=64, seed=5, tokenizer=tokenizer, tie_word_embeddings=True
+    )
+    options = dict(steps=3, checkpoint={"every": 1, "keep": 3})
+    trainer = Trainer(world_config(world, tmp_path / "a", student=student, **options), log=lambda _line: None)
+    assert trainer.student.head is trainer.student.model.get_input_embeddings().weight
+    whole = train_losses(trainer.run())
+    config = world_config(world, tmp_path / "b", student=student, **options)
+    train(config, max_steps=2)
+    resumed = train(config)
+    assert resumed.first_step == 3
+    np.testing.assert_allclose(train_losses(resumed), whole[2:], rtol=1e-6, atol=1e-7)
+    assert whole[-1] < whole[0]
+
+
+def test_learning_rate_warms_up_then_decays_to_zero() -> None:
+    factors = [lr_factor(s, warmup=4, total=20) for s in range(21)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in itertools.pairwise(factors[3:]))
+    assert factors[12] == pytest.approx(0.5) and factors[20] == pytest.approx(0.0)
