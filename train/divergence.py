@@ -169,6 +169,45 @@ def _chunk_value_and_grad(
     return reduced[:, 0], u.sub_(reduced[:, 1:]).mul_(p_s)
 
 
+def _finish(
+    ctx: Any,
+    student_hidden: torch.Tensor,
+    student_head: torch.Tensor,
+    grad_hs_NH: torch.Tensor | None,
+    grad_ws_VH: torch.Tensor | None,
+    weights_N: torch.Tensor,
+    values_N: torch.Tensor,
+    group: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """End of a forward that formed its gradients: keep them for backward; return (loss, values)."""
+    # Each rank holds the part of d loss / d h from its vocabulary slice; the full gradient is the
+    # sum, as a column-parallel output layer's backward would produce. O(N · Hs) bytes, once.
+    if grad_hs_NH is not None:
+        _all_reduce(grad_hs_NH, dist.ReduceOp.SUM, group)
+    ctx.save_for_backward(
+        grad_hs_NH.to(student_hidden.dtype) if grad_hs_NH is not None else None,
+        grad_ws_VH.to(student_head.dtype) if grad_ws_VH is not None else None,
+    )
+    ctx.mark_non_differentiable(values_N)
+    return (weights_N * values_N).sum(), values_N
+
+
+def _backward(ctx: Any, grad_loss: torch.Tensor, _grad_values: torch.Tensor) -> tuple[Any, ...]:
+    """The gradients formed in forward, scaled by the incoming gradient of the loss."""
+    grad_hs, grad_ws = ctx.saved_tensors
+    scale = lambda g: None if g is None else g * grad_loss  # noqa: E731
+    return scale(grad_hs), scale(grad_ws), None
+
+
+def _valid_columns(
+    vocab_start: int, local_vocab: int, vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """[V_local] mask of real vocabulary columns, or None when this slice has no padding."""
+    if vocab_start + local_vocab <= vocab_size:
+        return None
+    return torch.arange(vocab_start, vocab_start + local_vocab, device=device) < vocab_size
+
+
 class _FusedLinearDivergence(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -223,23 +262,9 @@ class _FusedLinearDivergence(torch.autograd.Function):
                 grad_hs_NH[tokens_C] = grad_CV @ ws_VH
             if grad_ws_VH is not None:
                 grad_ws_VH.addmm_(grad_CV.T, hs_CH)
-        # Each rank holds the part of d loss / d h from its vocabulary slice; the full gradient is the
-        # sum, as a column-parallel output layer's backward would produce. O(N · Hs) bytes, once.
-        if grad_hs_NH is not None:
-            _all_reduce(grad_hs_NH, dist.ReduceOp.SUM, group)
-        ctx.save_for_backward(
-            grad_hs_NH.to(student_hidden.dtype) if grad_hs_NH is not None else None,
-            grad_ws_VH.to(student_head.dtype) if grad_ws_VH is not None else None,
-        )
-        loss = (weights_N * values_N).sum()
-        ctx.mark_non_differentiable(values_N)
-        return loss, values_N
+        return _finish(ctx, student_hidden, student_head, grad_hs_NH, grad_ws_VH, weights_N, values_N, group)
 
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor, _grad_values: torch.Tensor) -> tuple[Any, ...]:
-        grad_hs, grad_ws = ctx.saved_tensors
-        scale = lambda g: None if g is None else g * grad_loss  # noqa: E731
-        return scale(grad_hs), scale(grad_ws), None
+    backward = staticmethod(_backward)
 
 
 def linear_divergence(
@@ -295,9 +320,7 @@ def linear_divergence(
     num_tokens, local_vocab = student_hidden.shape[0], student_head.shape[0]
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     vocab_size = local_vocab * tp_size if vocab_size is None else vocab_size
-    valid = None
-    if vocab_start + local_vocab > vocab_size:
-        valid = torch.arange(vocab_start, vocab_start + local_vocab, device=device) < vocab_size
+    valid = _valid_columns(vocab_start, local_vocab, vocab_size, device)
     order = torch.argsort(teacher_index, stable=True).to(device)  # group tokens by teacher
     transforms = {t: (teacher_transforms or {}).get(t, LogitTransform()) for t in rows}
     weights = (
@@ -363,20 +386,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 grad_hs_NH[start:stop] = grad_CV @ ws_VH
             if grad_ws_VH is not None:
                 grad_ws_VH.addmm_(grad_CV.T, hs_NH[start:stop])
-        if grad_hs_NH is not None:
-            _all_reduce(grad_hs_NH, dist.ReduceOp.SUM, group)
-        ctx.save_for_backward(
-            grad_hs_NH.to(student_hidden.dtype) if grad_hs_NH is not None else None,
-            grad_ws_VH.to(student_head.dtype) if grad_ws_VH is not None else None,
-        )
-        ctx.mark_non_differentiable(values_N)
-        return (weights_N * values_N).sum(), values_N
+        return _finish(ctx, student_hidden, student_head, grad_hs_NH, grad_ws_VH, weights_N, values_N, group)
 
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor, _grad_values: torch.Tensor) -> tuple[Any, ...]:
-        grad_hs, grad_ws = ctx.saved_tensors
-        scale = lambda g: None if g is None else g * grad_loss  # noqa: E731
-        return scale(grad_hs), scale(grad_ws), None
+    backward = staticmethod(_backward)
 
 
 def linear_cross_entropy(
@@ -406,9 +418,7 @@ def linear_cross_entropy(
     vocab_size = local_vocab * tp_size if vocab_size is None else vocab_size
     if labels.numel() and int(labels.max()) >= vocab_size:
         raise ValueError(f"a label is ≥ the vocabulary size {vocab_size}")
-    valid = None
-    if vocab_start + local_vocab > vocab_size:
-        valid = torch.arange(vocab_start, vocab_start + local_vocab, device=device) < vocab_size
+    valid = _valid_columns(vocab_start, local_vocab, vocab_size, device)
     weights = (
         torch.full((num_tokens,), 1.0 / max(num_tokens, 1), device=device) if weights is None else weights
     )
