@@ -248,6 +248,7 @@ class Trainer:
         self.student = HFStudent(tc.student, device=self.device, dtype=dtype)
         self.student.check_compatible(manifest)
         self.vocab_size = manifest.teachers[0].vocab_size
+        self.num_teachers = max(t.index for t in manifest.teachers) + 1
         self.heads = TeacherHeads(
             self.store,
             [t.index for t in manifest.teachers],
@@ -334,7 +335,7 @@ class Trainer:
         params = self.student.parameters()
         self.optimizer.zero_grad(set_to_none=True)
         denominator, tokens = self._global_denominator(batch.microbatches)
-        stats = _StepStats(len(self.objective.weight_of))
+        stats = _StepStats(self.num_teachers)
         for mb in batch.microbatches:
             mb = mb.to(self.device)
             hidden = self.student.hidden_states(mb.input_ids, mb.attention_mask)[mb.loss_mask]
@@ -387,7 +388,7 @@ class Trainer:
         """Mean divergence per trained token of the held-out rows, by teacher (no weighting, no CE)."""
         self.student.model.eval()
         lengths = self.store.lengths
-        stats = _StepStats(len(self.objective.weight_of))
+        stats = _StepStats(self.num_teachers)
         for rows in rank_microbatches(
             self.eval_rows,
             lengths,

