@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.table import Table
 
+from mopd.cli.console import plain_log, stderr_console
 from mopd.cli.store_commands import format_size
 from mopd.precompute.runner import run_precompute, slurm_task_split
 from mopd.store.config import load_config
@@ -40,14 +40,14 @@ def precompute_command(
     if not (split[0] >= 1 and 0 <= split[1] < split[0]):
         raise click.UsageError(f"--task-index must be in [0, {split[0]}) and --num-tasks at least 1")
     config = load_config(config_path)
-    console = Console(stderr=True)
+    console = stderr_console()
     result = run_precompute(
         config,
         store_path=store_path,
         backend=backend,
         num_tasks=split[0],
         task_index=split[1],
-        log=console.print,
+        log=plain_log(console),
     )
     console.print(
         f"computed {len(result.tasks_computed)} tasks, skipped {result.tasks_skipped} already done "

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from rich.console import Console
 
+from mopd.cli.console import plain_log, stderr_console
 from mopd.store.config import load_config
 from mopd.train.trainer import run_training
 
@@ -38,9 +38,10 @@ def train_command(
     OUTPUT/checkpoints/step_NNNNNNNN/ (a transformers checkpoint of the student under model/).
     """
     config = load_config(config_path)
-    console = Console(stderr=True, highlight=False)
+    console = stderr_console()
+    log = plain_log(console)
     result = run_training(
-        config, store_path=store_path, output=output, resume=resume, max_steps=max_steps, log=console.print
+        config, store_path=store_path, output=output, resume=resume, max_steps=max_steps, log=log
     )
     if result.checkpoint is not None:
         console.print(

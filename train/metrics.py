@@ -78,7 +78,7 @@ def plot_metrics(metrics: Path, out: Path) -> Path:
             points = [(step, value) for step, value in points if value is not None]
             if points:
                 steps, values = zip(*points, strict=True)
-                right.plot(steps, values, style, label=label)
+                right.plot(steps, values, style, label=label, color=f"C{int(t) % 10}")
     positive = all(v > 0 for r in records for v in r["divergence_by_teacher"].values())
     right.set(
         xlabel="step",

@@ -70,6 +70,7 @@ def test_train_command(world: World, tmp_path: Path) -> None:
     )
     assert out.exit_code == 0, out.output
     assert "step 2/3" in out.output and "step 3/3" not in out.output
+    assert "[t0=" in out.output  # the per-teacher part of the step line is text, not rich markup
     again = CliRunner().invoke(
         cli, ["train", str(config), "--no-resume", "--output", str(tmp_path / "cli-run")]
     )
