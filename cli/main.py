@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from mopd.cli.precompute_command import precompute_command
+from mopd.cli.quickstart import quickstart_command
 from mopd.cli.store_commands import inspect_command, verify_manifest_command
 from mopd.cli.train_command import train_command
 from mopd.store.errors import MopdError
@@ -40,6 +41,7 @@ cli.add_command(precompute_command)
 cli.add_command(verify_manifest_command)
 cli.add_command(inspect_command)
 cli.add_command(train_command)
+cli.add_command(quickstart_command)
 
 
 def main() -> None:

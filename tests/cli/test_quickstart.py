@@ -1,0 +1,45 @@
+"""`mopd quickstart --small` end to end through the CLI: real SmolLM2 teachers, offline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from mopd.cli.main import cli
+from mopd.cli.quickstart_assets import write_dataset
+from mopd.store.reader import open_store
+from mopd.train.metrics import read_metrics
+
+
+@pytest.mark.slow
+def test_small_quickstart_runs_every_stage(tmp_path: Path) -> None:
+    out = CliRunner().invoke(cli, ["quickstart", "--small", "--workdir", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    for stage in ("1/4 prepare", "2/4 precompute", "3/4 verify-manifest", "4/4 train"):
+        assert stage in out.output
+    assert "held-out KL per token" in out.output and "as fp32 full-vocabulary logits" in out.output
+    assert "chat, math" in out.output and "%" in out.output
+    store = open_store(tmp_path / "quickstart-small.zarr")
+    assert [t.aliases for t in store.teachers] == [["chat", "math"], ["code"]]  # 3 aliases, 2 teachers
+    assert store.num_rows == 18
+    records = read_metrics(tmp_path / "quickstart-small-run" / "metrics.jsonl")
+    assert [r["step"] for r in records if r.get("split") == "eval"] == [0, 2, 4]
+    assert (tmp_path / "quickstart-small-run" / "metrics.png").stat().st_size > 10_000
+    again = CliRunner().invoke(cli, ["quickstart", "--small", "--workdir", str(tmp_path)])
+    assert again.exit_code == 0, again.output  # reuses models, data and store; trains afresh
+
+
+def test_the_dataset_has_three_agents_with_agent_specific_content(tmp_path: Path) -> None:
+    rows = [json.loads(line) for line in write_dataset(tmp_path / "d.jsonl", 5).read_text().splitlines()]
+    assert [r["agent"] for r in rows[:6]] == ["math", "code", "chat"] * 2
+    by_agent = {
+        agent: [r["messages"][1]["content"] for r in rows if r["agent"] == agent]
+        for agent in ("math", "code", "chat")
+    }
+    assert all("=" in answer for answer in by_agent["math"])
+    assert all(answer.startswith("```python\ndef ") for answer in by_agent["code"])
+    assert all(answer.endswith(".") for answer in by_agent["chat"])
+    assert write_dataset(tmp_path / "e.jsonl", 5).read_text() == (tmp_path / "d.jsonl").read_text()  # seeded
