@@ -20,15 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+from memory import reset_peak, rss_bytes
+
 VOCAB, HIDDEN = 49152, 576
 MEM_LIMIT_GIB = 20.0
-
-
-def _rss_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def run_variant(variant: str, num_tokens: int, chunk: int, teachers: int) -> dict[str, float]:
@@ -71,12 +66,12 @@ def run_variant(variant: str, num_tokens: int, chunk: int, teachers: int) -> dic
 
     step()  # warm-up (and compilation)
     hs.grad = ws.grad = None
-    Path("/proc/self/clear_refs").write_text("5\n")  # reset the resident high-water mark
-    before = _rss_bytes("VmRSS")
+    reset_peak()  # reset the resident high-water mark
+    before = rss_bytes("VmRSS")
     start = time.perf_counter()
     step()
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "peak_bytes": _rss_bytes("VmHWM") - before}
+    return {"seconds": seconds, "peak_bytes": rss_bytes("VmHWM") - before}
 
 
 def measure(variant: str, num_tokens: int, chunk: int, teachers: int = 1) -> dict[str, float] | None:

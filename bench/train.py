@@ -24,14 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memory import reset_peak, rss_bytes
+
 ROW_TOKENS = 256
-
-
-def _rss_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def build_store(folder: Path, tokens: int) -> Path:
@@ -102,15 +97,15 @@ def run_variant(variant: str, config: Path) -> dict[str, float]:
     for mb in batch.microbatches:
         read_microbatch(trainer.store, mb.rows)
     read = time.perf_counter() - start
-    Path("/proc/self/clear_refs").write_text("5\n")
-    before = _rss_bytes("VmRSS")
+    reset_peak()
+    before = rss_bytes("VmRSS")
     start = time.perf_counter()
     record = trainer.train_step(2, batch)
     seconds = time.perf_counter() - start
     steps.close()
     return {
         "seconds": seconds,
-        "peak_bytes": _rss_bytes("VmHWM") - before,
+        "peak_bytes": rss_bytes("VmHWM") - before,
         "loader_read_seconds": read,
         "loader_wait_seconds": wait,
         "tokens": record["tokens"],

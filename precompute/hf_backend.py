@@ -15,18 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from mopd.store.devices import resolve_device
 from mopd.store.errors import ConfigError
 from mopd.store.transform import LogitTransform
 
 
 class _Captured(Exception):
     """Raised by the capture hook to stop the forward before the output layer runs."""
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -55,7 +50,7 @@ class HFTeacher:
         except (OSError, ValueError) as err:
             raise ConfigError(f"teacher {checkpoint}: cannot be loaded by transformers ({err})") from err
         model.requires_grad_(False)
-        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
+        self.model = model.to(self.device).eval()
         head = self.model.get_output_embeddings()
         if head is None or getattr(head, "weight", None) is None:
             raise ConfigError(f"teacher {checkpoint}: the model has no output embedding layer to capture")

@@ -20,11 +20,12 @@ import numpy as np
 import torch
 
 from mopd.precompute.data import TokenizedRows, load_records, tokenize_dataset
-from mopd.precompute.hf_backend import HFTeacher, resolve_device, resolve_dtype
+from mopd.precompute.hf_backend import HFTeacher, resolve_dtype
 from mopd.precompute.progress import TokenProgress
 from mopd.precompute.teachers import TeacherSet, load_tokenizer, resolve_teachers
 from mopd.store.batching import pack_batches, select_tasks
 from mopd.store.config import MopdConfig
+from mopd.store.devices import resolve_device
 from mopd.store.errors import ConfigError, StoreIntegrityError
 from mopd.store.layout import plan_tasks, shard_rows
 from mopd.store.manifest import DatasetInfo, Manifest, Plan, StorageInfo, TaskSpec, TeacherInfo, TokenizerInfo

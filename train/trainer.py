@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mopd.store.config import DivergenceConfig, MopdConfig, TrainConfig
+from mopd.store.devices import resolve_device
 from mopd.store.errors import ConfigError, ManifestError, MopdError
 from mopd.store.manifest import Manifest
 from mopd.store.reader import TeacherStore, open_store
@@ -87,12 +88,6 @@ def lr_factor(step: int, *, warmup: int, total: int) -> float:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def _memory_gib(device: torch.device) -> float:
@@ -235,7 +230,7 @@ class Trainer:
                 "pipeline parallelism need train.backend megatron"
             )
         self.tc = tc
-        self.device = _resolve_device(tc.device)
+        self.device = resolve_device(tc.device)
         self.dp = DataParallel.from_environment(self.device)
         if self.device.type == "cuda" and self.dp.enabled:
             self.device = torch.device("cuda", self.dp.rank % torch.cuda.device_count())
