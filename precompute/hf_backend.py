@@ -36,19 +36,34 @@ class HFTeacher:
     name = "hf"
 
     def __init__(
-        self, checkpoint: str, *, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False
+        self,
+        checkpoint: str,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        trust_remote_code: bool = False,
+        blocks: int | None = None,
     ) -> None:
+        """Loads `checkpoint`; `blocks` keeps only its first transformer blocks (the output layer, its
+        transform and the capture check need no more, see the vllm backend)."""
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
         self.checkpoint = checkpoint
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        overrides = {} if blocks is None else {"num_hidden_layers": blocks}
+        verbosity = hf_logging.get_verbosity()
+        if blocks is not None:  # the load report would list every left-out block's weights
+            hf_logging.set_verbosity_error()
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                checkpoint, dtype=self.dtype, trust_remote_code=trust_remote_code
+                checkpoint, dtype=self.dtype, trust_remote_code=trust_remote_code, **overrides
             )
         except (OSError, ValueError) as err:
             raise ConfigError(f"teacher {checkpoint}: cannot be loaded by transformers ({err})") from err
+        finally:
+            hf_logging.set_verbosity(verbosity)
         model.requires_grad_(False)
         self.model = model.to(self.device).eval()
         head = self.model.get_output_embeddings()
@@ -70,6 +85,10 @@ class HFTeacher:
     def lm_head(self) -> torch.Tensor:
         """The output layer's weight [V, H] on the CPU, in the dtype the teacher computes in."""
         return self._head.weight.detach().to("cpu")
+
+    def close(self) -> None:
+        """Frees the model (the next teacher of the job loads after this one is closed)."""
+        del self.model, self._head
 
     def _forward(self, rows: Sequence[np.ndarray], *, full: bool) -> tuple[torch.Tensor, Any]:
         longest = max(len(r) for r in rows)

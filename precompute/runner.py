@@ -30,6 +30,7 @@ from mopd.store.errors import ConfigError, StoreIntegrityError
 from mopd.store.layout import plan_tasks, shard_rows
 from mopd.store.manifest import DatasetInfo, Manifest, Plan, StorageInfo, TaskSpec, TeacherInfo, TokenizerInfo
 from mopd.store.tasks import HiddenShardWriter, write_lm_head, write_rows
+from mopd.store.transform import LogitTransform
 from mopd.store.version import __version__
 from mopd.store.writer import StoreWriter
 
@@ -110,17 +111,8 @@ def build_plan(
     )
 
 
-def _load_teacher(config: MopdConfig, backend: str, checkpoint: str) -> HFTeacher:
-    if backend != "hf":
-        raise ConfigError(
-            f"precompute.backend {backend!r} is not available in this mopd {__version__}; use `hf`"
-        )
-    pc = config.precompute
-    return HFTeacher(checkpoint, device=pc.device, dtype=pc.dtype, trust_remote_code=pc.trust_remote_code)
-
-
-class HiddenStateModel(Protocol):
-    """What a hidden-state task needs of a loaded teacher, whatever its backend."""
+class HiddenStateSource(Protocol):
+    """What a hidden-state task needs of a loaded teacher."""
 
     checkpoint: str
     hidden_size: int
@@ -128,10 +120,43 @@ class HiddenStateModel(Protocol):
     def hidden_states(self, rows: Sequence[np.ndarray]) -> list[torch.Tensor]: ...
 
 
+class TeacherModel(HiddenStateSource, Protocol):
+    """A loaded teacher of any backend: hidden states, its output layer and the proof that they agree."""
+
+    transform: LogitTransform
+
+    def lm_head(self) -> torch.Tensor: ...
+
+    def check_capture(self, rows: Sequence[np.ndarray]) -> float: ...
+
+    def close(self) -> None: ...
+
+
+def load_teacher(config: MopdConfig, backend: str, checkpoint: str, *, max_model_len: int) -> TeacherModel:
+    """Loads one teacher checkpoint with `backend` (the vllm module is imported only when asked for)."""
+    pc = config.precompute
+    if backend == "hf":
+        return HFTeacher(checkpoint, device=pc.device, dtype=pc.dtype, trust_remote_code=pc.trust_remote_code)
+    if backend == "vllm":
+        from mopd.precompute.vllm_backend import VLLMTeacher
+
+        return VLLMTeacher(
+            checkpoint,
+            max_model_len=max_model_len,
+            batch_tokens=pc.batch_tokens,
+            device=pc.device,
+            dtype=pc.dtype,
+            trust_remote_code=pc.trust_remote_code,
+        )
+    raise ConfigError(
+        f"precompute.backend {backend!r} is not available in this mopd {__version__}; use `hf` or `vllm`"
+    )
+
+
 def run_hidden_task(
     writer: StoreWriter,
     task: TaskSpec,
-    teacher: HiddenStateModel,
+    teacher: HiddenStateSource,
     rows: TokenizedRows,
     config: MopdConfig,
     progress: TokenProgress,
@@ -231,22 +256,24 @@ def run_precompute(
             if not mine:
                 continue
             progress.describe(f"teacher {slot.index} ({', '.join(slot.aliases)})")
-            teacher = _load_teacher(config, backend, slot.checkpoint)
-            first_rows = [rows.input_ids[r] for r in np.flatnonzero(rows.teacher_index == slot.index)[:4]]
-            teacher.check_capture(first_rows or [rows.input_ids[0][:16]])
-            for task in mine:
-                if task.kind == "lm_head":
-                    with writer.task(task.task_id) as out:
-                        write_lm_head(
-                            out,
-                            teacher.lm_head(),
-                            logit_scale=teacher.transform.logit_scale,
-                            final_logit_softcap=teacher.transform.final_logit_softcap,
-                        )
-                else:
-                    run_hidden_task(writer, task, teacher, rows, config, progress)
-                computed.append(task.task_id)
-            del teacher
+            teacher = load_teacher(config, backend, slot.checkpoint, max_model_len=int(rows.lengths.max()))
+            try:
+                first_rows = [rows.input_ids[r] for r in np.flatnonzero(rows.teacher_index == slot.index)[:4]]
+                teacher.check_capture(first_rows or [rows.input_ids[0][:16]])
+                for task in mine:
+                    if task.kind == "lm_head":
+                        with writer.task(task.task_id) as out:
+                            write_lm_head(
+                                out,
+                                teacher.lm_head(),
+                                logit_scale=teacher.transform.logit_scale,
+                                final_logit_softcap=teacher.transform.final_logit_softcap,
+                            )
+                    else:
+                        run_hidden_task(writer, task, teacher, rows, config, progress)
+                    computed.append(task.task_id)
+            finally:
+                teacher.close()
     elapsed = time.perf_counter() - start
     manifest = writer.finalize(
         created_by=f"mopd {__version__}",

@@ -256,6 +256,13 @@ def _describe_plan_mismatch(root: Path, existing: Plan, new: Plan) -> str:
     new_teachers = [(t.checkpoint, t.fingerprint) for t in new.teachers]
     if old_teachers != new_teachers:
         differences.append(f"teachers {[c for c, _ in old_teachers]} vs {[c for c, _ in new_teachers]}")
+    old_backends = sorted({t.backend for t in existing.teachers})
+    new_backends = sorted({t.backend for t in new.teachers})
+    if old_backends != new_backends:
+        differences.append(
+            f"teacher backend {', '.join(old_backends)} vs {', '.join(new_backends)}: a store is built "
+            "with one backend throughout"
+        )
     if existing.storage != new.storage or existing.config != new.config:
         differences.append("precompute or storage settings")
     if existing.tokenizer != new.tokenizer:

@@ -8,25 +8,33 @@ import yaml
 
 from tests.precompute.teachers import make_tokenizer, mixed_records, save_teacher, write_jsonl
 
+BACKENDS = ["hf", "vllm"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each precompute backend that runs on this machine: the behaviour tests hold for every one."""
+    return str(request.param)
+
 
 @pytest.fixture(scope="session")
 def tiny_teachers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Tiny Llama and Qwen2 teachers (hidden 64, 96, 48) sharing one tokenizer, plus odd ones."""
+    """Tiny Llama and Qwen2 teachers (hidden 64, 96, 48) sharing one tokenizer, plus odd ones; heads of
+    size 32, the least that vLLM runs, so that every backend can run each of them."""
     root = tmp_path_factory.mktemp("teachers")
     tokenizer = make_tokenizer()
+
+    def save(name: str, arch: str, hidden_size: int, seed: int, **extra: Any) -> Path:
+        return save_teacher(
+            root / name, arch, hidden_size=hidden_size, seed=seed, tokenizer=tokenizer, head_dim=32, **extra
+        )
+
     return {
-        "llama": save_teacher(root / "llama-a", "llama", hidden_size=64, seed=1, tokenizer=tokenizer),
-        "qwen2": save_teacher(root / "qwen2-b", "qwen2", hidden_size=96, seed=2, tokenizer=tokenizer),
-        "llama_small": save_teacher(root / "llama-c", "llama", hidden_size=48, seed=3, tokenizer=tokenizer),
-        "gemma2": save_teacher(
-            root / "gemma2-d",
-            "gemma2",
-            hidden_size=64,
-            seed=4,
-            tokenizer=tokenizer,
-            final_logit_softcapping=3.0,
-        ),
-        "phi": save_teacher(root / "phi-e", "phi", hidden_size=64, seed=5, tokenizer=tokenizer),
+        "llama": save("llama-a", "llama", 64, 1),
+        "qwen2": save("qwen2-b", "qwen2", 96, 2),
+        "llama_small": save("llama-c", "llama", 48, 3),
+        "gemma2": save("gemma2-d", "gemma2", 64, 4, final_logit_softcapping=3.0),
+        "phi": save("phi-e", "phi", 64, 5),
     }
 
 

@@ -38,7 +38,8 @@ def make_tokenizer(vocab_size: int = 400) -> Any:
     return tokenizer
 
 
-def model_config(arch: str, *, vocab_size: int, hidden_size: int, **extra: Any) -> Any:
+def model_config(arch: str, *, vocab_size: int, hidden_size: int, head_dim: int = 16, **extra: Any) -> Any:
+    """A 2-block config; attention heads of `head_dim` (vLLM needs at least 32)."""
     import transformers
 
     common = dict(
@@ -46,7 +47,7 @@ def model_config(arch: str, *, vocab_size: int, hidden_size: int, **extra: Any) 
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
-        num_attention_heads=hidden_size // 16,
+        num_attention_heads=max(1, hidden_size // head_dim),
         num_key_value_heads=1,
         max_position_embeddings=1024,
         initializer_range=0.2,
@@ -58,8 +59,10 @@ def model_config(arch: str, *, vocab_size: int, hidden_size: int, **extra: Any) 
         "gemma2": transformers.Gemma2Config,
         "phi": transformers.PhiConfig,
     }
+    if arch in ("llama", "qwen2", "gemma2"):
+        common.update(head_dim=head_dim)
     if arch == "gemma2":
-        common.update(head_dim=16, query_pre_attn_scalar=16)
+        common.update(query_pre_attn_scalar=head_dim)
     return classes[arch](**{**common, **extra})
 
 

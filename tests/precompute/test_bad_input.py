@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,15 @@ from tests.precompute.conftest import write_config
 from tests.precompute.teachers import make_tokenizer, mixed_records, save_teacher, write_jsonl
 
 
+@pytest.fixture(autouse=True)
+def _every_backend(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs each test once per backend (`precompute` below passes it as --backend)."""
+    monkeypatch.setenv("MOPD_TEST_BACKEND", backend)
+
+
 def precompute(config: Path, *args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(cli, ["precompute", str(config), *args])
+    backend = os.environ["MOPD_TEST_BACKEND"]
+    result = CliRunner().invoke(cli, ["precompute", str(config), "--backend", backend, *args])
     return result.exit_code, result.stderr
 
 

@@ -49,9 +49,14 @@ def store_contents(store: Path) -> dict[str, tuple[int, str]]:
 
 
 @pytest.fixture
-def job_config(tmp_path: Path, tiny_teachers: dict[str, Path]) -> Path:
+def job_config(tmp_path: Path, tiny_teachers: dict[str, Path], backend: str) -> Path:
     data = write_jsonl(tmp_path / "train.jsonl", mixed_records(40))
-    return write_config(tmp_path, four_aliases(tiny_teachers), data=data, precompute={"rows_per_task": 2})
+    return write_config(
+        tmp_path,
+        four_aliases(tiny_teachers),
+        data=data,
+        precompute={"rows_per_task": 2, "backend": backend},
+    )
 
 
 def test_three_jobs_in_any_order_equal_one_job(job_config: Path, tmp_path: Path) -> None:

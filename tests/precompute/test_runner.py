@@ -56,13 +56,13 @@ def test_each_teacher_loaded_once_and_summary_printed(
     mixed_config: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     loads: list[str] = []
-    real = runner._load_teacher
+    real = runner.load_teacher
 
-    def counting(config, backend, checkpoint):  # type: ignore[no-untyped-def]
+    def counting(config, backend, checkpoint, **kwargs):  # type: ignore[no-untyped-def]
         loads.append(checkpoint)
-        return real(config, backend, checkpoint)
+        return real(config, backend, checkpoint, **kwargs)
 
-    monkeypatch.setattr(runner, "_load_teacher", counting)
+    monkeypatch.setattr(runner, "load_teacher", counting)
     result = CliRunner().invoke(cli, ["precompute", str(mixed_config)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     tasks = load_config(mixed_config).precompute.rows_per_task
@@ -75,9 +75,11 @@ def test_each_teacher_loaded_once_and_summary_printed(
     assert "computed 0 tasks, skipped 11 already done" in again.stderr
 
 
-def test_non_finite_teacher_is_refused_naming_row(tmp_path: Path) -> None:
+def test_non_finite_teacher_is_refused_naming_row(tmp_path: Path, backend: str) -> None:
     tokenizer = make_tokenizer()
-    teacher = save_teacher(tmp_path / "nan-teacher", "llama", hidden_size=32, seed=3, tokenizer=tokenizer)
+    teacher = save_teacher(
+        tmp_path / "nan-teacher", "llama", hidden_size=32, seed=3, tokenizer=tokenizer, head_dim=32
+    )
     records = mixed_records(6)
     poisoned = tokenizer("§")["input_ids"][-1]  # a byte no other row contains
     records[4]["messages"][1]["content"] += " §"
@@ -86,7 +88,7 @@ def test_non_finite_teacher_is_refused_naming_row(tmp_path: Path) -> None:
     weights["model.embed_tokens.weight"][poisoned] = torch.nan
     save_file(weights, teacher / "model.safetensors")
     data = write_jsonl(tmp_path / "d.jsonl", [{**r, "agent": "t"} for r in records])
-    config = write_config(tmp_path, {"t": teacher}, data=data)
+    config = write_config(tmp_path, {"t": teacher}, data=data, precompute={"backend": backend})
     result = CliRunner().invoke(cli, ["precompute", str(config)])
     assert result.exit_code == 1
     assert "teacher 0" in result.stderr and "non-finite hidden states for row 4" in result.stderr

