@@ -1,17 +1,20 @@
-"""Store overhead of `mopd precompute` relative to the teacher forward itself (SmolLM2-135M, CPU).
+"""`mopd precompute` on SmolLM2-135M (CPU): store overhead, and the vllm backend against the hf one.
 
-Measures, in one run and on the same rows and batches: (a) the teacher forward alone (hidden states
-captured, nothing written), (b) the full hidden-state tasks (forward + bf16 conversion + finite check +
-store writes, fsync, publish, hashing, part records). Two overhead figures:
+Measures, in one run and on the same rows and batches: (a) the hf teacher forward alone (hidden states
+captured, nothing written), (b) the full hidden-state tasks with the hf backend (forward + bf16
+conversion + finite check + store writes, fsync, publish, hashing, part records), (c) the same tasks
+with the vllm backend (skipped with `--backends hf`). Repeats are interleaved; each backend loads once,
+before the timed repeats (load times are reported apart). Two overhead figures for the hf backend:
 
 - in-run: wall time of (b) spent outside the forward calls, over the forward time of (b). Exact, since
   both sides come from the same run; it does not see the forward slowed by background compression.
 - A/B: (best b − best a) / best a over interleaved repeats. Sees everything, but this machine's speed
   drifts by several percent between runs, so it resolves only differences larger than that.
 
-Target ≤ 5% (the store's writes overlap the forward). Prints a table, writes bench/results/precompute.json.
+Target ≤ 5% (the store's writes overlap the forward). Backends: tokens/s of (b) and (c), best repeat
+each, and their ratio. Prints a table, writes bench/results/precompute.json.
 
-    python bench/precompute.py [--rows 64] [--length 512]
+    python bench/precompute.py [--rows 64] [--length 512] [--backends hf vllm]
 """
 
 from __future__ import annotations
@@ -31,14 +34,14 @@ from mopd.precompute.data import TokenizedRows
 from mopd.precompute.hf_backend import HFTeacher
 from mopd.precompute.packaged_models import smollm2_checkpoint
 from mopd.precompute.progress import TokenProgress
-from mopd.precompute.runner import build_plan, run_hidden_task
+from mopd.precompute.runner import HiddenStateSource, build_plan, run_hidden_task
 from mopd.precompute.teachers import TeacherSet, resolve_teachers
 from mopd.store.batching import pack_batches
 from mopd.store.config import MopdConfig, parse_config
 from mopd.store.writer import StoreWriter
 
 
-def forward_only(teacher: HFTeacher, rows: TokenizedRows, batch_tokens: int) -> float:
+def forward_only(teacher: HiddenStateSource, rows: TokenizedRows, batch_tokens: int) -> float:
     ids = np.arange(rows.num_rows)
     start = time.perf_counter()
     for batch in pack_batches(ids, rows.lengths, batch_tokens=batch_tokens):
@@ -50,7 +53,7 @@ def forward_only(teacher: HFTeacher, rows: TokenizedRows, batch_tokens: int) -> 
 class TimedTeacher:
     """The teacher with its forward calls timed."""
 
-    def __init__(self, teacher: HFTeacher) -> None:
+    def __init__(self, teacher: HiddenStateSource) -> None:
         self._teacher = teacher
         self.checkpoint = teacher.checkpoint
         self.hidden_size = teacher.hidden_size
@@ -64,10 +67,15 @@ class TimedTeacher:
 
 
 def with_store(
-    teacher: HFTeacher, rows: TokenizedRows, config: MopdConfig, teachers: TeacherSet, root: Path
+    teacher: HiddenStateSource,
+    backend: str,
+    rows: TokenizedRows,
+    config: MopdConfig,
+    teachers: TeacherSet,
+    root: Path,
 ) -> tuple[float, float]:
     """(wall seconds, seconds of it inside the forward)."""
-    plan = build_plan(config, teachers, rows, "hf", "float32")
+    plan = build_plan(config, teachers, rows, backend, "float32")
     writer = StoreWriter.open(root, plan)
     timed = TimedTeacher(teacher)
     start = time.perf_counter()
@@ -86,6 +94,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--backends", nargs="+", choices=["hf", "vllm"], default=["hf", "vllm"])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "precompute.json")
     args = parser.parse_args()
 
@@ -110,21 +119,33 @@ def main() -> None:
         teacher_index=np.zeros(args.rows, dtype=np.int64),
         input_format="input_ids",
     )
-    teacher = HFTeacher(str(checkpoint), device="cpu", dtype="float32")
-    forward_only(teacher, TokenizedRows(rows.input_ids[:2], rows.loss_mask[:2], [], [], np.zeros(2)), 1024)
-    forward_s, store_s, inner_forward_s = [], [], []
+    loaded, load_s = {}, {}
+    for backend in ["hf", *[b for b in args.backends if b != "hf"]]:  # hf is the overhead baseline
+        start = time.perf_counter()
+        loaded[backend] = load_bench_teacher(backend, str(checkpoint), args.length, args.batch_tokens)
+        load_s[backend] = time.perf_counter() - start
+        warm = [rows.input_ids[0][:64], rows.input_ids[1][:32]]
+        loaded[backend].hidden_states(warm)
+    forward_s: list[float] = []
+    store_s: dict[str, list[float]] = {backend: [] for backend in loaded}
+    inner_forward_s: dict[str, list[float]] = {backend: [] for backend in loaded}
     try:
         for rep in range(args.repeats):
-            forward_s.append(forward_only(teacher, rows, args.batch_tokens))
-            wall, inner = with_store(teacher, rows, config, teachers, work / f"store-{rep}.zarr")
-            store_s.append(wall)
-            inner_forward_s.append(inner)
+            forward_s.append(forward_only(loaded["hf"], rows, args.batch_tokens))
+            for backend, teacher in loaded.items():
+                root = work / f"store-{backend}-{rep}.zarr"
+                wall, inner = with_store(teacher, backend, rows, config, teachers, root)
+                store_s[backend].append(wall)
+                inner_forward_s[backend].append(inner)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     tokens = args.rows * args.length
-    best_forward, best_store = min(forward_s), min(store_s)
+    best_forward, best_store = min(forward_s), min(store_s["hf"])
     overhead = (best_store - best_forward) / best_forward
-    in_run = [(wall - inner) / inner for wall, inner in zip(store_s, inner_forward_s, strict=True)]
+    in_run = [
+        (wall - inner) / inner for wall, inner in zip(store_s["hf"], inner_forward_s["hf"], strict=True)
+    ]
+    tokens_per_s = {backend: tokens / min(times) for backend, times in store_s.items()}
     result = {
         "model": "SmolLM2-135M-Instruct (fp32 compute, bf16 store)",
         "rows": args.rows,
@@ -133,21 +154,43 @@ def main() -> None:
         "batch_tokens": args.batch_tokens,
         "cpus": os.cpu_count(),
         "forward_only_s": forward_s,
-        "with_store_s": store_s,
-        "forward_inside_store_run_s": inner_forward_s,
+        "with_store_s": store_s["hf"],
+        "forward_inside_store_run_s": inner_forward_s["hf"],
         "store_overhead_in_run": max(in_run),
         "store_overhead_ab": overhead,
-        "tokens_per_s_with_store": tokens / best_store,
+        "tokens_per_s_with_store": tokens_per_s["hf"],
+        "backends": {
+            backend: {"load_s": load_s[backend], "with_store_s": store_s[backend], "tokens_per_s": tps}
+            for backend, tps in tokens_per_s.items()
+        },
     }
+    if "vllm" in tokens_per_s:
+        result["vllm_vs_hf_tokens_per_s"] = tokens_per_s["vllm"] / tokens_per_s["hf"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"SmolLM2-135M, {args.rows} rows x {args.length} tokens, batches of {args.batch_tokens} tokens")
-    print(f"{'':26}{'seconds':>9}{'tok/s':>9}")
-    print(f"{'teacher forward only':26}{best_forward:9.2f}{tokens / best_forward:9.0f}")
-    print(f"{'forward + store writes':26}{best_store:9.2f}{tokens / best_store:9.0f}")
-    print(f"store overhead in-run (worst repeat): {max(in_run) * 100:.2f}% of the forward (target <= 5%)")
-    print(f"store overhead A/B (best of {args.repeats} each): {overhead * 100:+.1f}% (with run-to-run drift)")
+    print(f"{'':34}{'seconds':>9}{'tok/s':>9}{'load s':>9}")
+    print(f"{'hf teacher forward only':34}{best_forward:9.2f}{tokens / best_forward:9.0f}")
+    for backend, tps in tokens_per_s.items():
+        label = f"{backend}: forward + store writes"
+        print(f"{label:34}{min(store_s[backend]):9.2f}{tps:9.0f}{load_s[backend]:9.1f}")
+    print(f"hf store overhead in-run (worst repeat): {max(in_run) * 100:.2f}% of the forward (target <= 5%)")
+    print(
+        f"hf store overhead A/B (best of {args.repeats} each): {overhead * 100:+.1f}% (with run-to-run drift)"
+    )
+    if "vllm" in tokens_per_s:
+        print(f"vllm vs hf, tokens/s with the store: {result['vllm_vs_hf_tokens_per_s']:.2f}x")
     print(f"wrote {args.out}")
+
+
+def load_bench_teacher(backend: str, checkpoint: str, length: int, batch_tokens: int) -> HiddenStateSource:
+    if backend == "hf":
+        return HFTeacher(checkpoint, device="cpu", dtype="float32")
+    from mopd.precompute.vllm_backend import VLLMTeacher
+
+    return VLLMTeacher(
+        checkpoint, max_model_len=length, batch_tokens=batch_tokens, device="cpu", dtype="float32"
+    )
 
 
 if __name__ == "__main__":
