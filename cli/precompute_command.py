@@ -49,6 +49,8 @@ def precompute_command(
         task_index=split[1],
         log=plain_log(console),
     )
+    if not result.writes:  # a megatron rank other than its group's writer: the writer reports
+        return
     console.print(
         f"computed {len(result.tasks_computed)} tasks, skipped {result.tasks_skipped} already done "
         f"({result.tokens_per_s:,.0f} tok/s)"

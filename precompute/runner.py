@@ -57,6 +57,7 @@ class PrecomputeResult:
     manifest: Manifest | None
     per_teacher: dict[int, TeacherStats] = field(default_factory=dict)
     tokens_per_s: float = 0.0
+    writes: bool = True  # False on a megatron rank that computes for its group's writer
 
 
 def slurm_task_split() -> tuple[int, int] | None:
@@ -132,8 +133,11 @@ class TeacherModel(HiddenStateSource, Protocol):
     def close(self) -> None: ...
 
 
-def load_teacher(config: MopdConfig, backend: str, checkpoint: str, *, max_model_len: int) -> TeacherModel:
-    """Loads one teacher checkpoint with `backend` (the vllm module is imported only when asked for)."""
+def load_teacher(
+    config: MopdConfig, backend: str, checkpoint: str, *, max_model_len: int, group: Any = None
+) -> TeacherModel:
+    """Loads one teacher checkpoint with `backend` (vllm and megatron are imported only when asked for;
+    `group` is the megatron backend's ModelParallelGroup)."""
     pc = config.precompute
     if backend == "hf":
         return HFTeacher(checkpoint, device=pc.device, dtype=pc.dtype, trust_remote_code=pc.trust_remote_code)
@@ -148,9 +152,42 @@ def load_teacher(config: MopdConfig, backend: str, checkpoint: str, *, max_model
             dtype=pc.dtype,
             trust_remote_code=pc.trust_remote_code,
         )
-    raise ConfigError(
-        f"precompute.backend {backend!r} is not available in this mopd {__version__}; use `hf` or `vllm`"
-    )
+    if backend == "megatron":
+        from mopd.precompute.megatron_backend import MegatronTeacher
+
+        return MegatronTeacher(
+            checkpoint, group=group, dtype=pc.dtype, trust_remote_code=pc.trust_remote_code
+        )
+    raise ConfigError(f"precompute.backend {backend!r} is not one of hf, vllm, megatron")
+
+
+def task_batches(task: TaskSpec, rows: TokenizedRows, config: MopdConfig) -> list[np.ndarray]:
+    """The row batches of a hidden-state task, in processing order (the same on every rank)."""
+    assert task.teacher is not None
+    row_ids = shard_rows(rows.teacher_index, task)
+    return pack_batches(row_ids, rows.lengths[row_ids], batch_tokens=config.precompute.batch_tokens)
+
+
+def follow_hidden_tasks(
+    tasks: list[TaskSpec], teachers: TeacherSet, rows: TokenizedRows, config: MopdConfig, group: Any
+) -> None:
+    """A megatron rank that is not its group's writer: runs every batch the writer runs, writes nothing."""
+    from mopd.precompute.megatron_backend import MegatronTeacher
+
+    for slot in teachers.slots:
+        mine = [t for t in tasks if t.teacher == slot.index and t.kind == "hidden"]
+        if not mine:
+            continue
+        pc = config.precompute
+        teacher = MegatronTeacher(
+            slot.checkpoint, group=group, dtype=pc.dtype, trust_remote_code=pc.trust_remote_code
+        )
+        try:
+            for task in mine:
+                for batch in task_batches(task, rows, config):
+                    teacher.hidden_states([rows.input_ids[r] for r in batch])
+        finally:
+            teacher.close()
 
 
 def run_hidden_task(
@@ -161,10 +198,8 @@ def run_hidden_task(
     config: MopdConfig,
     progress: TokenProgress,
 ) -> None:
-    assert task.teacher is not None
-    row_ids = shard_rows(rows.teacher_index, task)
     lengths = rows.lengths
-    batches = pack_batches(row_ids, lengths[row_ids], batch_tokens=config.precompute.batch_tokens)
+    batches = task_batches(task, rows, config)
     order = np.concatenate(batches)  # stored in processing order; the shard records it in row_ids
     storage_dtype = _STORAGE_TORCH_DTYPE[config.store.dtype]
     with writer.task(task.task_id) as out:
@@ -221,10 +256,24 @@ def run_precompute(
     device = resolve_device(config.precompute.device)
     compute_dtype = str(resolve_dtype(config.precompute.dtype, device)).removeprefix("torch.")
     plan = build_plan(config, teachers, rows, backend, compute_dtype)
-    writer = StoreWriter.open(store, plan)
+    group = None
+    if backend == "megatron":  # each tp × pp group of the world is one job of the task split
+        from mopd.mcore.parallel import ModelParallelGroup
+
+        group = ModelParallelGroup.start(
+            config.precompute.parallel, config.precompute.device, what="precompute.parallel"
+        )
+        num_tasks, task_index = num_tasks * group.dp_size, task_index * group.dp_size + group.dp_rank
     selected = set(select_tasks([t.task_id for t in plan.tasks], num_tasks=num_tasks, task_index=task_index))
+    if group is not None and not group.is_lead:
+        todo_ids = set(group.share([]))
+        follow_hidden_tasks([t for t in plan.tasks if t.task_id in todo_ids], teachers, rows, config, group)
+        return PrecomputeResult(store, len(plan.tasks), len(selected), [], 0, 0, 0, None, writes=False)
+    writer = StoreWriter.open(store, plan)
     done = writer.done_tasks()
     todo = [t for t in plan.tasks if t.task_id in selected and t.task_id not in done]
+    if group is not None:
+        group.share([t.task_id for t in todo])
     log(
         f"store {store}: {len(plan.tasks)} tasks, {len(selected)} for this job "
         f"({len(selected & done)} already done); {rows.num_rows} rows, {int(rows.lengths.sum())} tokens, "
@@ -256,7 +305,9 @@ def run_precompute(
             if not mine:
                 continue
             progress.describe(f"teacher {slot.index} ({', '.join(slot.aliases)})")
-            teacher = load_teacher(config, backend, slot.checkpoint, max_model_len=int(rows.lengths.max()))
+            teacher = load_teacher(
+                config, backend, slot.checkpoint, max_model_len=int(rows.lengths.max()), group=group
+            )
             try:
                 first_rows = [rows.input_ids[r] for r in np.flatnonzero(rows.teacher_index == slot.index)[:4]]
                 teacher.check_capture(first_rows or [rows.input_ids[0][:16]])

@@ -42,6 +42,11 @@ class StoreConfig(_Section):
     codec: Literal["shuffle-zstd1", "none"] = "shuffle-zstd1"
 
 
+class ParallelConfig(_Section):
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+
+
 class PrecomputeConfig(_Section):
     backend: Literal["hf", "vllm", "megatron"] = "hf"
     # Padded tokens per forward batch (rows × longest row).
@@ -52,11 +57,8 @@ class PrecomputeConfig(_Section):
     # Rows of one teacher per task (the unit of resumption and of splitting across jobs).
     rows_per_task: int = Field(1024, gt=0)
     trust_remote_code: bool = False
-
-
-class ParallelConfig(_Section):
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
+    # Teacher tensor/pipeline parallelism (megatron backend, under torchrun).
+    parallel: ParallelConfig = ParallelConfig()
 
 
 class DivergenceConfig(_Section):

@@ -1,4 +1,5 @@
-"""Guard: store/ at the bottom; precompute/ and train/ above it, never importing each other; cli/ on top."""
+"""Guard: store/ at the bottom, then mcore/ (Megatron-core models); precompute/ and train/ above them,
+never importing each other; cli/ on top."""
 
 from __future__ import annotations
 
@@ -6,12 +7,13 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LAYERS = ("store", "precompute", "train", "cli")
+LAYERS = ("store", "mcore", "precompute", "train", "cli")
 ALLOWED = {
     "store": {"store"},
-    "precompute": {"store", "precompute"},
-    "train": {"store", "train"},
-    "cli": {"store", "precompute", "train", "cli"},
+    "mcore": {"store", "mcore"},
+    "precompute": {"store", "mcore", "precompute"},
+    "train": {"store", "mcore", "train"},
+    "cli": {"store", "mcore", "precompute", "train", "cli"},
 }
 # The store is read by plain numerical code; distributed process groups belong to the trainer.
 FORBIDDEN_MODULES = {"store": ("torch.distributed", "click", "transformers")}

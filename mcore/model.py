@@ -1,0 +1,91 @@
+"""Megatron-core GPTModel for an HF Llama/Qwen2-family checkpoint (local spec: no Transformer Engine)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mopd.mcore.convert import GPTShape
+
+
+def transformer_config(shape: GPTShape, *, tp: int, pp: int, dtype: torch.dtype) -> Any:
+    """The TransformerConfig that computes what the HF model computes (no dropout, no fused kernels)."""
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def gpt_model(
+    shape: GPTShape, *, tp: int, pp: int, dtype: torch.dtype, pre_process: bool, post_process: bool
+) -> Any:
+    """This rank's GPTModel (its pipeline stage, its tensor-parallel shards), weights uninitialised."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        transformer_config(shape, tp=tp, pp=pp, dtype=dtype),
+        get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=shape.padded_vocab_size(tp),
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=shape.tied,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta),
+    )
+
+
+def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Loads a converted state dict; every parameter must be given and nothing else (Megatron's
+    `_extra_state` entries, empty for these modules, aside)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("._extra_state")]
+    if missing or unexpected:
+        raise ValueError(
+            f"converted weights do not fit the model: missing {missing}, unexpected {unexpected}"
+        )
+
+
+def stage_forward(model: Any, input_ids: torch.Tensor | None, *, batch: int, length: int) -> torch.Tensor:
+    """[length, batch, H] this pipeline stage's output, the model's output layer bypassed.
+
+    The first stage embeds `input_ids`; later stages take their input from `model.set_input_tensor`.
+    On the last stage the result is the final norm's output: the input of the output layer, which mopd
+    applies itself (chunked, inside the divergence kernels or when writing the store).
+    """
+    decoder_input = None
+    if model.pre_process:
+        assert input_ids is not None
+        positions = torch.arange(length, device=input_ids.device)[None].expand(batch, length)
+        decoder_input = model.embedding(input_ids=input_ids, position_ids=positions)
+    return model.decoder(
+        hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=model.rotary_pos_emb(length)
+    )

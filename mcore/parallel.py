@@ -1,0 +1,107 @@
+"""torchrun's world split into megatron-core's tp × pp model-parallel groups, for teachers and students."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mopd.store.config import ParallelConfig
+from mopd.store.devices import resolve_device
+from mopd.store.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelParallelGroup:
+    """This rank's place in the world: its tp × pp model-parallel group, stage, slice and replica."""
+
+    device: torch.device
+    tp: int
+    pp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    dp_size: int
+    lead_rank: int  # global rank of the last stage's first tensor-parallel rank
+
+    @property
+    def is_lead(self) -> bool:
+        """This rank is its group's lead: the one that writes or reports for the whole group."""
+        return dist.get_rank() == self.lead_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @classmethod
+    def start(cls, parallel: ParallelConfig, device: str, *, what: str) -> ModelParallelGroup:
+        """Joins torchrun's process group (or makes a one-rank one) and megatron-core's parallel state.
+
+        Raises:
+            ConfigError: the world size is not a multiple of tp × pp, or megatron-core is missing.
+        """
+        try:
+            from megatron.core import parallel_state
+        except ImportError as err:
+            raise ConfigError(
+                f"the megatron backend needs megatron-core ({err}); pip install 'mopd[megatron]'"
+            ) from err
+        where = resolve_device(device)
+        if not dist.is_initialized():
+            _init_process_group(where)
+        world = dist.get_world_size()
+        if world % (parallel.tp * parallel.pp):
+            raise ConfigError(
+                f"{what} tp={parallel.tp} × pp={parallel.pp} does not divide the {world} ranks; launch "
+                "a multiple of tp × pp processes"
+            )
+        if where.type == "cuda":
+            where = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(where)
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp
+            )
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        places: list[Any] = [None] * parallel.tp * parallel.pp
+        dist.all_gather_object(
+            places, (dist.get_rank(), tp_rank, pp_rank), group=parallel_state.get_model_parallel_group()
+        )
+        lead = next(rank for rank, t, p in places if t == 0 and p == parallel.pp - 1)
+        return cls(
+            device=where,
+            tp=parallel.tp,
+            pp=parallel.pp,
+            tp_rank=tp_rank,
+            pp_rank=pp_rank,
+            dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_size=parallel_state.get_data_parallel_world_size(),
+            lead_rank=lead,
+        )
+
+    def share(self, items: list[Any]) -> list[Any]:
+        """The lead's `items`, on every rank of the model-parallel group."""
+        from megatron.core import parallel_state
+
+        box = [items if self.is_lead else None]
+        dist.broadcast_object_list(box, src=self.lead_rank, group=parallel_state.get_model_parallel_group())
+        return list(box[0] or [])
+
+
+def _init_process_group(device: torch.device) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:  # launched without torchrun: a world of one
+        rendezvous = Path(tempfile.mkdtemp(prefix="mopd-rendezvous-")) / "store"
+        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=0, world_size=1)

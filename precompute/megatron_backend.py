@@ -1,0 +1,148 @@
+"""The `megatron` teacher backend: megatron-core GPTModel teachers with tensor and pipeline parallelism.
+
+Launch under torchrun (`torchrun --nproc-per-node N -m mopd.cli precompute CONFIG --backend megatron`).
+The world splits into model-parallel groups of tp × pp ranks (`precompute.parallel`); each group is one
+job of the task split (as `--num-tasks/--task-index` jobs are) and loads each of its teachers once,
+converted from the HF checkpoint to this rank's shard (`mopd.mcore.convert`). Every rank of a group runs
+every batch; the last pipeline stage's output is the final norm's output (the output layer is never
+applied), and that stage's first tensor-parallel rank, the group's writer, writes the store. The other
+ranks never touch it. The LM head, the logit transform and the capture check come from the checkpoint's
+transformers implementation cut to one block, on the writer only, as in the vllm backend.
+
+On a CPU (gloo), megatron-core runs through `mopd.mcore.cpu_compat`; on GPUs it runs as shipped (NCCL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mopd.mcore.convert import GPTShape, hf_to_megatron
+from mopd.mcore.parallel import ModelParallelGroup
+from mopd.precompute.hf_backend import HFTeacher, resolve_dtype
+from mopd.store.errors import ConfigError
+
+
+@contextlib.contextmanager
+def _on_device(device: torch.device) -> Iterator[None]:
+    if device.type == "cpu":
+        from mopd.mcore.cpu_compat import cpu_megatron
+
+        with cpu_megatron():
+            yield
+    else:
+        yield
+
+
+class MegatronTeacher:
+    """This rank's shard of a teacher (its pipeline stage, its tensor-parallel slice)."""
+
+    name = "megatron"
+
+    def __init__(
+        self, checkpoint: str, *, group: ModelParallelGroup, dtype: str, trust_remote_code: bool
+    ) -> None:
+        from safetensors.torch import load_file
+
+        from mopd.mcore.model import gpt_model, load_state
+
+        if group.device.type == "cpu":
+            from mopd.mcore.cpu_compat import install_cpu_rng_tracker
+
+            install_cpu_rng_tracker()
+        self.checkpoint = checkpoint
+        self.group = group
+        self.dtype = resolve_dtype(dtype, group.device)
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        from transformers import AutoConfig
+
+        self.shape = GPTShape.from_hf_config(
+            AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
+        )
+        self.shape.check_tp(group.tp)
+        if self.shape.num_layers % group.pp:
+            raise ConfigError(
+                f"teacher {checkpoint}: pipeline parallelism {group.pp} must divide its "
+                f"{self.shape.num_layers} layers"
+            )
+        self.hidden_size = self.shape.hidden_size
+        per_stage = self.shape.num_layers // group.pp
+        files = sorted(Path(checkpoint).glob("*.safetensors"))
+        if not files:
+            raise ConfigError(
+                f"teacher {checkpoint}: the megatron backend reads safetensors weights; none found"
+            )
+        hf: dict[str, torch.Tensor] = {}
+        for file in files:
+            hf.update(load_file(file))
+        state = hf_to_megatron(
+            {k: v.to(self.dtype) for k, v in hf.items()},
+            self.shape,
+            tp_rank=group.tp_rank,
+            tp_size=group.tp,
+            first_layer=group.pp_rank * per_stage,
+            num_layers=per_stage,
+            pre_process=group.is_first_stage,
+            post_process=group.is_last_stage,
+        )
+        del hf
+        self.model = gpt_model(
+            self.shape,
+            tp=group.tp,
+            pp=group.pp,
+            dtype=self.dtype,
+            pre_process=group.is_first_stage,
+            post_process=group.is_last_stage,
+        )
+        load_state(self.model, state)
+        self.model.requires_grad_(False)
+        self.model.to(group.device).eval()
+        self._reference: HFTeacher | None = None
+        if group.is_lead:
+            self._reference = HFTeacher(
+                checkpoint, device="cpu", dtype=dtype_name, trust_remote_code=trust_remote_code, blocks=1
+            )
+            self.transform = self._reference.transform
+
+    def _writer_part(self) -> HFTeacher:
+        assert self._reference is not None, "only the group's writer holds the output layer"
+        return self._reference
+
+    def lm_head(self) -> torch.Tensor:
+        return self._writer_part().lm_head()
+
+    def check_capture(self, rows: Sequence[np.ndarray]) -> float:
+        return self._writer_part().check_capture(rows)
+
+    def hidden_states(self, rows: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        """Every rank of the group runs each batch; the last stage returns each row's [L_i, H] states."""
+        from megatron.core import parallel_state
+
+        from mopd.mcore.model import stage_forward
+
+        longest = max(len(r) for r in rows)
+        input_ids = torch.zeros(len(rows), longest, dtype=torch.long)
+        for b, row in enumerate(rows):  # right padding: causal attention keeps real tokens exact
+            input_ids[b, : len(row)] = torch.from_numpy(np.asarray(row, dtype=np.int64))
+        device = self.group.device
+        activations = (longest, len(rows), self.hidden_size)
+        with torch.inference_mode(), _on_device(device):
+            if not self.group.is_first_stage:
+                incoming = torch.empty(activations, dtype=self.dtype, device=device)
+                dist.recv(incoming, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+                self.model.set_input_tensor(incoming)
+            output = stage_forward(self.model, input_ids.to(device), batch=len(rows), length=longest)
+            if not self.group.is_last_stage:
+                dist.send(output.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+                return []
+        states = output.transpose(0, 1).to("cpu")
+        return [states[b, : len(row)] for b, row in enumerate(rows)]
+
+    def close(self) -> None:
+        del self.model
+        self._reference = None

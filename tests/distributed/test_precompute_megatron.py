@@ -1,0 +1,111 @@
+"""Acceptance: the megatron teacher backend under torchrun (TP=2, PP=2) writes the hf backend's store."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mopd.store import open_store
+from tests.precompute.stores import assert_fp32_equal, build
+from tests.precompute.teachers import make_tokenizer, mixed_records, save_teacher, write_jsonl
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama and a Qwen2 teacher (2 key/value heads, so TP=2 splits them) over 12 rows of 2 agents."""
+    root = tmp_path_factory.mktemp("megatron-precompute")
+    tokenizer = make_tokenizer()
+    teachers = {
+        "math": save_teacher(
+            root / "llama", "llama", hidden_size=64, seed=31, tokenizer=tokenizer, num_key_value_heads=2
+        ),
+        "code": save_teacher(
+            root / "qwen2", "qwen2", hidden_size=64, seed=32, tokenizer=tokenizer, num_key_value_heads=2
+        ),
+    }
+    records = [{**r, "agent": ("math", "code")[i % 2]} for i, r in enumerate(mixed_records(12))]
+    raw = {
+        "teachers": {alias: str(path) for alias, path in teachers.items()},
+        "data": {"path": str(write_jsonl(root / "train.jsonl", records)), "max_length": 96},
+        "store": {"path": str(root / "store.zarr"), "dtype": "float32"},
+        "precompute": {"rows_per_task": 4, "batch_tokens": 256, "dtype": "float32"},
+    }
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def torchrun_precompute(config: Path, store: Path, *, nproc: int, tp: int, pp: int) -> str:
+    raw = yaml.safe_load(config.read_text())
+    raw["precompute"]["parallel"] = {"tp": tp, "pp": pp}
+    variant = store.with_suffix(".yaml")
+    variant.write_text(yaml.safe_dump(raw))
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    done = subprocess.run(
+        [
+            *launch,
+            "-m",
+            "mopd.cli",
+            "precompute",
+            str(variant),
+            "--backend",
+            "megatron",
+            "--store",
+            str(store),
+        ],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_megatron_store_equals_hf_store(config: Path, tmp_path: Path, tp: int, pp: int) -> None:
+    reference = build(config, "hf", "float32")
+    store = tmp_path / f"tp{tp}-pp{pp}.zarr"
+    log = torchrun_precompute(config, store, nproc=2, tp=tp, pp=pp)
+    assert log.count("manifest written") == 1  # one writer per group: the last stage's first TP rank
+    assert_fp32_equal(reference, open_store(store), "megatron")
+    again = torchrun_precompute(config, store, nproc=2, tp=tp, pp=pp)
+    assert "computed 0 tasks, skipped 7 already done" in again
+
+
+def test_world_not_divisible_by_the_teacher_layout(config: Path, tmp_path: Path) -> None:
+    raw = yaml.safe_load(config.read_text())
+    raw["precompute"]["parallel"] = {"tp": 2, "pp": 1}
+    variant = tmp_path / "tp2.yaml"
+    variant.write_text(yaml.safe_dump(raw))
+    done = subprocess.run(
+        [sys.executable, "-m", "mopd.cli", "precompute", str(variant), "--backend", "megatron"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "precompute.parallel tp=2 × pp=1 does not divide the 1 ranks" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_two_model_parallel_groups_share_the_tasks(config: Path, tmp_path: Path) -> None:
+    """4 ranks at TP=2: two groups, each one job of the task split; together they write the hf store."""
+    reference = build(config, "hf", "float32")
+    store = tmp_path / "dp2.zarr"
+    log = torchrun_precompute(config, store, nproc=4, tp=2, pp=1)
+    computed = [int(n) for n in re.findall(r"computed (\d+) tasks", log)]
+    assert len(computed) == 2 and sum(computed) == 7 and min(computed) > 0  # two writers, disjoint shares
+    assert log.count("manifest written") == 1
+    assert_fp32_equal(reference, open_store(store), "megatron")
