@@ -43,13 +43,14 @@ class _CudaToCpu(TorchFunctionMode):
 @contextlib.contextmanager
 def cpu_megatron() -> Iterator[None]:
     """Runs megatron-core code that asks for CUDA devices on the CPU."""
-    saved = torch.cuda.current_device
+    saved = torch.cuda.current_device, torch.cuda.synchronize
     torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda device=None: None  # CPU ops have finished when they return
     try:
         with _CudaToCpu():
             yield
     finally:
-        torch.cuda.current_device = saved
+        torch.cuda.current_device, torch.cuda.synchronize = saved
 
 
 class CpuRngTracker:
@@ -91,3 +92,13 @@ def install_cpu_rng_tracker(seed: int = 1234) -> None:
     tracker.add(MODEL_PARALLEL_RNG, seed)
     random._CUDA_RNG_STATE_TRACKER = tracker
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+@contextlib.contextmanager
+def megatron_device(device: torch.device) -> Iterator[None]:
+    """Megatron-core code for `device`: through `cpu_megatron()` on the CPU, as shipped on GPUs."""
+    if device.type == "cpu":
+        with cpu_megatron():
+            yield
+    else:
+        yield

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from mopd.mcore.convert import GPTShape
+from mopd.mcore.convert import GPTShape, hf_to_megatron
+from mopd.mcore.parallel import ModelParallelGroup
+from mopd.store.errors import ConfigError
 
 
 def transformer_config(shape: GPTShape, *, tp: int, pp: int, dtype: torch.dtype) -> Any:
     """The TransformerConfig that computes what the HF model computes (no dropout, no fused kernels)."""
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_heads,
@@ -40,7 +43,14 @@ def transformer_config(shape: GPTShape, *, tp: int, pp: int, dtype: torch.dtype)
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        # The pipeline schedules take losses normalised by the caller (by the global trained-token
+        # count) instead of averaging them per microbatch.
+        calculate_per_token_loss=True,
     )
+    # Microbatches of their own length and batch size, their shapes sent between stages. (Set after
+    # construction: the constructor's check for MoE token dispatchers does not apply to dense models.)
+    config.variable_seq_lengths = True
+    return config
 
 
 def gpt_model(
@@ -89,3 +99,59 @@ def stage_forward(model: Any, input_ids: torch.Tensor | None, *, batch: int, len
     return model.decoder(
         hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=model.rotary_pos_emb(length)
     )
+
+
+def load_stage(
+    checkpoint: str | Path, group: ModelParallelGroup, dtype: torch.dtype, *, what: str
+) -> tuple[Any, GPTShape]:
+    """(this rank's GPTModel stage with its converted weights on its device, the model's shape).
+
+    `what` names the model in errors (`teacher ckpt/x`, `train.student`).
+
+    Raises:
+        ConfigError: not a convertible Llama/Qwen2 checkpoint, no safetensors weights, or a layout that
+            does not divide its heads, MLP width or layers.
+    """
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    if group.device.type == "cpu":
+        from mopd.mcore.cpu_compat import install_cpu_rng_tracker
+
+        install_cpu_rng_tracker()
+    shape = GPTShape.from_hf_config(AutoConfig.from_pretrained(checkpoint))
+    shape.check_tp(group.tp)
+    if shape.num_layers % group.pp:
+        raise ConfigError(
+            f"{what}: pipeline parallelism {group.pp} must divide its {shape.num_layers} layers"
+        )
+    files = sorted(Path(checkpoint).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(
+            f"{what}: {checkpoint} holds no safetensors weights (the megatron backend reads those)"
+        )
+    hf: dict[str, torch.Tensor] = {}
+    for file in files:
+        hf.update(load_file(file))
+    per_stage = shape.num_layers // group.pp
+    state = hf_to_megatron(
+        {k: v.to(dtype) for k, v in hf.items()},
+        shape,
+        tp_rank=group.tp_rank,
+        tp_size=group.tp,
+        first_layer=group.pp_rank * per_stage,
+        num_layers=per_stage,
+        pre_process=group.is_first_stage,
+        post_process=group.is_last_stage,
+    )
+    del hf
+    model = gpt_model(
+        shape,
+        tp=group.tp,
+        pp=group.pp,
+        dtype=dtype,
+        pre_process=group.is_first_stage,
+        post_process=group.is_last_stage,
+    )
+    load_state(model, state)
+    return model.to(group.device), shape

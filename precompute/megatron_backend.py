@@ -14,29 +14,15 @@ On a CPU (gloo), megatron-core runs through `mopd.mcore.cpu_compat`; on GPUs it 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from mopd.mcore.convert import GPTShape, hf_to_megatron
+from mopd.mcore.cpu_compat import megatron_device
 from mopd.mcore.parallel import ModelParallelGroup
 from mopd.precompute.hf_backend import HFTeacher, resolve_dtype
-from mopd.store.errors import ConfigError
-
-
-@contextlib.contextmanager
-def _on_device(device: torch.device) -> Iterator[None]:
-    if device.type == "cpu":
-        from mopd.mcore.cpu_compat import cpu_megatron
-
-        with cpu_megatron():
-            yield
-    else:
-        yield
 
 
 class MegatronTeacher:
@@ -47,65 +33,23 @@ class MegatronTeacher:
     def __init__(
         self, checkpoint: str, *, group: ModelParallelGroup, dtype: str, trust_remote_code: bool
     ) -> None:
-        from safetensors.torch import load_file
+        from mopd.mcore.model import load_stage
 
-        from mopd.mcore.model import gpt_model, load_state
-
-        if group.device.type == "cpu":
-            from mopd.mcore.cpu_compat import install_cpu_rng_tracker
-
-            install_cpu_rng_tracker()
         self.checkpoint = checkpoint
         self.group = group
         self.dtype = resolve_dtype(dtype, group.device)
-        dtype_name = str(self.dtype).removeprefix("torch.")
-        from transformers import AutoConfig
-
-        self.shape = GPTShape.from_hf_config(
-            AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
-        )
-        self.shape.check_tp(group.tp)
-        if self.shape.num_layers % group.pp:
-            raise ConfigError(
-                f"teacher {checkpoint}: pipeline parallelism {group.pp} must divide its "
-                f"{self.shape.num_layers} layers"
-            )
+        self.model, self.shape = load_stage(checkpoint, group, self.dtype, what=f"teacher {checkpoint}")
         self.hidden_size = self.shape.hidden_size
-        per_stage = self.shape.num_layers // group.pp
-        files = sorted(Path(checkpoint).glob("*.safetensors"))
-        if not files:
-            raise ConfigError(
-                f"teacher {checkpoint}: the megatron backend reads safetensors weights; none found"
-            )
-        hf: dict[str, torch.Tensor] = {}
-        for file in files:
-            hf.update(load_file(file))
-        state = hf_to_megatron(
-            {k: v.to(self.dtype) for k, v in hf.items()},
-            self.shape,
-            tp_rank=group.tp_rank,
-            tp_size=group.tp,
-            first_layer=group.pp_rank * per_stage,
-            num_layers=per_stage,
-            pre_process=group.is_first_stage,
-            post_process=group.is_last_stage,
-        )
-        del hf
-        self.model = gpt_model(
-            self.shape,
-            tp=group.tp,
-            pp=group.pp,
-            dtype=self.dtype,
-            pre_process=group.is_first_stage,
-            post_process=group.is_last_stage,
-        )
-        load_state(self.model, state)
         self.model.requires_grad_(False)
-        self.model.to(group.device).eval()
+        self.model.eval()
         self._reference: HFTeacher | None = None
         if group.is_lead:
             self._reference = HFTeacher(
-                checkpoint, device="cpu", dtype=dtype_name, trust_remote_code=trust_remote_code, blocks=1
+                checkpoint,
+                device="cpu",
+                dtype=str(self.dtype).removeprefix("torch."),
+                trust_remote_code=trust_remote_code,
+                blocks=1,
             )
             self.transform = self._reference.transform
 
@@ -131,7 +75,7 @@ class MegatronTeacher:
             input_ids[b, : len(row)] = torch.from_numpy(np.asarray(row, dtype=np.int64))
         device = self.group.device
         activations = (longest, len(rows), self.hidden_size)
-        with torch.inference_mode(), _on_device(device):
+        with torch.inference_mode(), megatron_device(device):
             if not self.group.is_first_stage:
                 incoming = torch.empty(activations, dtype=self.dtype, device=device)
                 dist.recv(incoming, src=parallel_state.get_pipeline_model_parallel_prev_rank())

@@ -1,0 +1,103 @@
+"""A megatron-core GPTModel student: this rank's pipeline stage and tensor-parallel slice.
+
+Built from an HF Llama/Qwen2-family checkpoint by mopd's own conversion (`mopd.mcore.convert`). The
+loss never runs the student's output layer: on the last stage, the final norm's output and this rank's
+vocabulary shard of the output layer go to the fused divergence kernels with the tensor-parallel group,
+as in the hf backend. Microbatches go through megatron-core's pipeline schedules
+(`forward_backward`), which also run the backward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mopd.mcore.cpu_compat import megatron_device
+from mopd.mcore.model import load_stage, stage_forward
+from mopd.mcore.parallel import ModelParallelGroup
+from mopd.store.errors import ConfigError
+
+# (final hidden states of the trained tokens [N, H], this rank's output-layer shard, microbatch)
+# -> (loss to back-propagate, anything the caller wants back from the last stage)
+LossFn = Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, Any]]
+
+
+class MegatronStudent:
+    """This rank's part of the student; every rank of a model-parallel group holds one."""
+
+    def __init__(self, checkpoint: str | Path, *, group: ModelParallelGroup, dtype: torch.dtype) -> None:
+        self.checkpoint = Path(checkpoint)
+        if not self.checkpoint.is_dir():
+            raise ConfigError(f"train.student: {self.checkpoint} is not a checkpoint folder")
+        self.group = group
+        self.model, self.shape = load_stage(self.checkpoint, group, dtype, what="train.student")
+        self.layers_per_stage = self.shape.num_layers // group.pp
+        self.model.train()
+
+    @property
+    def vocab_size(self) -> int:
+        """The real vocabulary (the output layer is padded beyond it; the kernels mask the padding)."""
+        return self.shape.vocab_size
+
+    @property
+    def vocab_start(self) -> int:
+        """First vocabulary id of this rank's output-layer shard."""
+        return self.group.tp_rank * self.shape.padded_vocab_size(self.group.tp) // self.group.tp
+
+    @property
+    def head(self) -> torch.nn.Parameter:
+        """[V_padded / tp, H] this rank's shard of the output layer (last stage only)."""
+        if not self.group.is_last_stage:
+            raise RuntimeError("only the last pipeline stage holds the output layer")
+        if self.shape.tied:
+            return self.model.shared_embedding_or_output_weight()
+        return self.model.output_layer.weight
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def forward_backward(
+        self, microbatches: Sequence[Any], loss_fn: LossFn, *, forward_only: bool = False
+    ) -> list:
+        """Runs the microbatches through megatron-core's pipeline schedule (forward, and backward unless
+        `forward_only`) and returns, on the last stage, what `loss_fn` gave back for each (else []).
+
+        Each microbatch needs `input_ids` [B, L] and `loss_mask` [B, L] (bool), the same on every rank of
+        the group. `loss_fn` is called on the last stage only; its loss is back-propagated as it is (the
+        caller normalises it: the schedule's own averaging is off).
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        returned: list = []
+        head = self.head if self.group.is_last_stage else None
+
+        def forward_step(data: Iterator[Any], model: Any) -> tuple[torch.Tensor, Callable]:
+            mb = next(data)
+            batch, length = mb.input_ids.shape
+            input_ids = mb.input_ids.to(self.group.device) if self.group.is_first_stage else None
+            output = stage_forward(model, input_ids, batch=batch, length=length)
+
+            def loss_func(output_LBH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                assert head is not None  # the schedule calls losses on the last stage only
+                hidden_NH = output_LBH.transpose(0, 1)[mb.loss_mask.to(output_LBH.device)]
+                loss, extra = loss_fn(hidden_NH, head, mb)
+                returned.append(extra)
+                return loss, torch.tensor(hidden_NH.shape[0]), {"loss": loss.detach()}
+
+            return output, loss_func
+
+        longest = max(mb.input_ids.shape[1] for mb in microbatches)
+        with megatron_device(self.group.device):
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(microbatches),
+                model=[self.model],
+                num_microbatches=len(microbatches),
+                seq_length=longest,
+                micro_batch_size=max(mb.input_ids.shape[0] for mb in microbatches),
+                forward_only=forward_only,
+            )
+        return returned
