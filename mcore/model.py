@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from mopd.mcore.convert import GPTShape, hf_to_megatron
+from mopd.mcore.cpu_compat import megatron_device
 from mopd.mcore.parallel import ModelParallelGroup
 from mopd.store.errors import ConfigError
 
@@ -145,13 +146,14 @@ def load_stage(
         post_process=group.is_last_stage,
     )
     del hf
-    model = gpt_model(
-        shape,
-        tp=group.tp,
-        pp=group.pp,
-        dtype=dtype,
-        pre_process=group.is_first_stage,
-        post_process=group.is_last_stage,
-    )
+    with megatron_device(group.device):  # a tied head on a later stage copies the embedding in here
+        model = gpt_model(
+            shape,
+            tp=group.tp,
+            pp=group.pp,
+            dtype=dtype,
+            pre_process=group.is_first_stage,
+            post_process=group.is_last_stage,
+        )
     load_state(model, state)
     return model.to(group.device), shape

@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mopd.mcore.cpu_compat import megatron_device
 from mopd.mcore.model import load_stage, stage_forward
 from mopd.mcore.parallel import ModelParallelGroup
 from mopd.store.errors import ConfigError
+from mopd.train.distributed import DataParallel
 
 # (final hidden states of the trained tokens [N, H], this rank's output-layer shard, microbatch)
 # -> (loss to back-propagate, anything the caller wants back from the last stage)
@@ -58,6 +60,54 @@ class MegatronStudent:
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def data_parallel(self) -> DataParallel:
+        """The replicas of this rank's stage and slice: they sum gradients, and split the data."""
+        from megatron.core import parallel_state
+
+        return DataParallel(
+            self.group.dp_rank, self.group.dp_size, group=parallel_state.get_data_parallel_group()
+        )
+
+    def finish_gradients(self) -> None:
+        """Completes what the backward leaves partial: the two copies of a tied embedding (first and
+        last stage) sum their gradients, then every gradient is summed over the data-parallel replicas
+        (the loss is already normalised by the global token count)."""
+        from megatron.core import parallel_state
+
+        params = self.parameters()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.shape.tied and self.group.pp > 1 and parallel_state.is_rank_in_embedding_group():
+            weight = self.model.shared_embedding_or_output_weight()
+            dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+        self.data_parallel().sum_gradients(params)
+
+    def grad_norm(self) -> float:
+        """The global gradient norm of the whole student: tensor-parallel shards summed over their ranks,
+        parameters replicated over the tensor-parallel ranks and the tied embedding's second copy
+        counted once."""
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        squares = torch.zeros((), dtype=torch.float64, device=self.group.device)
+        for p in self.parameters():
+            counted = param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False)
+            if counted and p.grad is not None:
+                squares += p.grad.double().pow(2).sum()
+        dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+        return float(squares.sqrt())
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Scales the gradients as torch.nn.utils.clip_grad_norm_ would over the whole student; returns
+        the norm before clipping."""
+        norm = self.grad_norm()
+        scale = min(1.0, max_norm / (norm + 1e-6))
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        return norm
 
     def forward_backward(
         self, microbatches: Sequence[Any], loss_fn: LossFn, *, forward_only: bool = False

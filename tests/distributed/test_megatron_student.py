@@ -1,5 +1,6 @@
-"""A megatron-core student step through the pipeline schedules gives the HF student's loss and gradients
-(TP=2, PP=2, TP2×PP2 on gloo; gradients mapped back to HF names by the weight conversion)."""
+"""A megatron-core student step through the pipeline schedules gives the HF student's loss, gradients and
+gradient norm (TP2×PP2, TP2×DP2, PP2×DP2 and a tied PP=2 student on gloo; gradients mapped back to HF
+names by the weight conversion)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def microbatches(vocab: int) -> list[Micro]:
     return out
 
 
-def reference(checkpoint: Path, mbs: list[Micro], teacher_head: torch.Tensor) -> tuple[float, dict]:
+def reference(checkpoint: Path, mbs: list[Micro], teacher_head: torch.Tensor) -> tuple[float, dict, float]:
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).train()
     total = sum(int(mb.loss_mask.sum()) for mb in mbs)
     loss_sum = 0.0
@@ -60,12 +61,13 @@ def reference(checkpoint: Path, mbs: list[Micro], teacher_head: torch.Tensor) ->
         )
         out.loss.backward()
         loss_sum += float(out.loss)
-    return loss_sum, {name: p.grad for name, p in model.named_parameters()}
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return loss_sum, grads, float(torch.stack([g.double().pow(2).sum() for g in grads.values()]).sum().sqrt())
 
 
 def megatron_step(
     rank: int, world: int, tp: int, pp: int, checkpoint: str, mbs: list[Micro], teacher_head: torch.Tensor
-) -> tuple[float, dict | None]:
+) -> tuple[float, dict | None, float]:
     from megatron.core import parallel_state
 
     from mopd.mcore.parallel import ModelParallelGroup
@@ -96,39 +98,60 @@ def megatron_step(
             )
             return out.loss, float(out.loss)
 
-        losses = student.forward_backward(mbs, loss_fn)
+        mine = mbs[group.dp_rank :: group.dp_size]  # each data-parallel replica its own microbatches
+        losses = student.forward_backward(mine, loss_fn)
+        student.finish_gradients()
+        norm = student.grad_norm()
         grads = {name: p.grad.clone() for name, p in student.model.named_parameters()}
         everyone: list = [None] * world
-        dist.all_gather_object(everyone, (group.pp_rank, group.tp_rank, sum(losses), grads))
+        dist.all_gather_object(everyone, (group.dp_rank, group.pp_rank, group.tp_rank, sum(losses), grads))
         if rank != 0:
-            return 0.0, None
-        stages = [
-            [g for s, t, _, g in sorted(everyone, key=lambda e: e[:2]) if s == stage] for stage in range(pp)
-        ]
-        loss = sum(value for s, t, value, _ in everyone if s == pp - 1 and t == 0)
-        return loss, megatron_to_hf(stages, student.shape, layers_per_stage=[student.layers_per_stage] * pp)
+            return 0.0, None, norm
+        replica = sorted((e for e in everyone if e[0] == 0), key=lambda e: e[1:3])
+        stages = [[e[4] for e in replica if e[1] == stage] for stage in range(pp)]
+        loss = sum(e[3] for e in everyone if e[1] == pp - 1 and e[2] == 0)
+        layers = [student.layers_per_stage] * pp
+        return loss, megatron_to_hf(stages, student.shape, layers_per_stage=layers), norm
     finally:
         parallel_state.destroy_model_parallel()
 
 
 @pytest.fixture(scope="module")
-def student(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def students(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
+    """Untied and tied (embedding = output layer) tiny Llama students."""
     root = tmp_path_factory.mktemp("megatron-student")
-    return save_teacher(
-        root / "student", "llama", hidden_size=64, seed=41, tokenizer=make_tokenizer(), num_key_value_heads=2
-    )
+    tokenizer = make_tokenizer()
+    return {
+        tied: save_teacher(
+            root / f"tied-{tied}",
+            "llama",
+            hidden_size=64,
+            seed=41,
+            tokenizer=tokenizer,
+            num_key_value_heads=2,
+            tie_word_embeddings=tied,
+        )
+        for tied in (False, True)
+    }
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
-def test_pipeline_step_equals_hf_step(student: Path, tp: int, pp: int) -> None:
+@pytest.mark.parametrize(
+    ("tp", "pp", "dp", "tied"), [(2, 2, 1, False), (2, 1, 2, False), (1, 2, 2, False), (1, 2, 1, True)]
+)
+def test_pipeline_step_equals_hf_step(
+    students: dict[bool, Path], tp: int, pp: int, dp: int, tied: bool
+) -> None:
+    student = students[tied]
     vocab = len(make_tokenizer())
     mbs = microbatches(vocab)
     teacher_head = torch.randn(vocab, TEACHER_HIDDEN, generator=torch.Generator().manual_seed(6))
-    expected_loss, expected = reference(student, mbs, teacher_head)
-    (loss, grads), *_ = run_distributed(
-        megatron_step, world_size=tp * pp, args=(tp, pp, str(student), mbs, teacher_head), timeout=240
+    expected_loss, expected, expected_norm = reference(student, mbs, teacher_head)
+    results = run_distributed(
+        megatron_step, world_size=tp * pp * dp, args=(tp, pp, str(student), mbs, teacher_head), timeout=240
     )
+    loss, grads, _ = results[0]
     assert abs(loss - expected_loss) <= 1e-5 * abs(expected_loss)
+    assert all(abs(norm - expected_norm) <= 1e-5 * expected_norm for _, _, norm in results)
     assert grads is not None and sorted(grads) == sorted(expected)
     for name, grad in expected.items():
         assert (grads[name] - grad).abs().max() <= 1e-5 * grad.abs().max() + 1e-9, name
