@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,35 @@ def stage_forward(model: Any, input_ids: torch.Tensor | None, *, batch: int, len
     )
 
 
+class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
+    """An HF checkpoint's tensors by name, each read from its safetensors file when asked for, in `dtype`.
+
+    A rank converts only its stage's layers, so it reads only those (and slices them for its TP rank),
+    never the whole checkpoint.
+    """
+
+    def __init__(self, folder: Path, dtype: torch.dtype, *, what: str) -> None:
+        from safetensors import safe_open
+
+        self.dtype = dtype
+        self._files = [safe_open(str(f), framework="pt") for f in sorted(folder.glob("*.safetensors"))]
+        if not self._files:
+            raise ConfigError(
+                f"{what}: {folder} holds no safetensors weights (the megatron backend reads those)"
+            )
+        # safe_open handles are not iterable: their names come from keys()
+        self._where = {name: f for f in self._files for name in f.keys()}  # noqa: SIM118
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name).to(self.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
 def load_stage(
     checkpoint: str | Path, group: ModelParallelGroup, dtype: torch.dtype, *, what: str
 ) -> tuple[Any, GPTShape]:
@@ -113,7 +143,6 @@ def load_stage(
         ConfigError: not a convertible Llama/Qwen2 checkpoint, no safetensors weights, or a layout that
             does not divide its heads, MLP width or layers.
     """
-    from safetensors.torch import load_file
     from transformers import AutoConfig
 
     if group.device.type == "cpu":
@@ -126,17 +155,9 @@ def load_stage(
         raise ConfigError(
             f"{what}: pipeline parallelism {group.pp} must divide its {shape.num_layers} layers"
         )
-    files = sorted(Path(checkpoint).glob("*.safetensors"))
-    if not files:
-        raise ConfigError(
-            f"{what}: {checkpoint} holds no safetensors weights (the megatron backend reads those)"
-        )
-    hf: dict[str, torch.Tensor] = {}
-    for file in files:
-        hf.update(load_file(file))
     per_stage = shape.num_layers // group.pp
     state = hf_to_megatron(
-        {k: v.to(dtype) for k, v in hf.items()},
+        SafetensorsCheckpoint(Path(checkpoint), dtype, what=what),
         shape,
         tp_rank=group.tp_rank,
         tp_size=group.tp,
@@ -145,7 +166,6 @@ def load_stage(
         pre_process=group.is_first_stage,
         post_process=group.is_last_stage,
     )
-    del hf
     with megatron_device(group.device):  # a tied head on a later stage copies the embedding in here
         model = gpt_model(
             shape,

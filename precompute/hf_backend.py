@@ -77,6 +77,18 @@ class HFTeacher:
         self._stop_after_capture = True
         head.register_forward_pre_hook(self._capture)
 
+    @classmethod
+    def output_layer_only(cls, checkpoint: str, *, dtype: torch.dtype, trust_remote_code: bool) -> HFTeacher:
+        """The checkpoint cut to its first block, on the CPU: its output layer, logit transform and
+        capture check, for backends whose own runtime does not apply the output layer (vllm, megatron)."""
+        return cls(
+            checkpoint,
+            device="cpu",
+            dtype=str(dtype).removeprefix("torch."),
+            trust_remote_code=trust_remote_code,
+            blocks=1,
+        )
+
     def _capture(self, _module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         self._captured = args[0]
         if self._stop_after_capture:

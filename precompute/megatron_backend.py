@@ -44,12 +44,8 @@ class MegatronTeacher:
         self.model.eval()
         self._reference: HFTeacher | None = None
         if group.is_lead:
-            self._reference = HFTeacher(
-                checkpoint,
-                device="cpu",
-                dtype=str(self.dtype).removeprefix("torch."),
-                trust_remote_code=trust_remote_code,
-                blocks=1,
+            self._reference = HFTeacher.output_layer_only(
+                checkpoint, dtype=self.dtype, trust_remote_code=trust_remote_code
             )
             self.transform = self._reference.transform
 

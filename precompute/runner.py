@@ -172,15 +172,12 @@ def follow_hidden_tasks(
     tasks: list[TaskSpec], teachers: TeacherSet, rows: TokenizedRows, config: MopdConfig, group: Any
 ) -> None:
     """A megatron rank that is not its group's writer: runs every batch the writer runs, writes nothing."""
-    from mopd.precompute.megatron_backend import MegatronTeacher
-
     for slot in teachers.slots:
         mine = [t for t in tasks if t.teacher == slot.index and t.kind == "hidden"]
         if not mine:
             continue
-        pc = config.precompute
-        teacher = MegatronTeacher(
-            slot.checkpoint, group=group, dtype=pc.dtype, trust_remote_code=pc.trust_remote_code
+        teacher = load_teacher(
+            config, "megatron", slot.checkpoint, max_model_len=int(rows.lengths.max()), group=group
         )
         try:
             for task in mine:

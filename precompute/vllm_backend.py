@@ -95,8 +95,8 @@ class VLLMTeacher:
             )
         self.dtype = resolve_dtype(dtype, self.device)
         dtype_name = str(self.dtype).removeprefix("torch.")
-        self._reference = HFTeacher(
-            checkpoint, device="cpu", dtype=dtype_name, trust_remote_code=trust_remote_code, blocks=1
+        self._reference = HFTeacher.output_layer_only(
+            checkpoint, dtype=self.dtype, trust_remote_code=trust_remote_code
         )
         self.transform = self._reference.transform
         self.hidden_size = self._reference.hidden_size
@@ -134,7 +134,7 @@ class VLLMTeacher:
 
     def hidden_states(self, rows: Sequence[np.ndarray]) -> list[torch.Tensor]:
         """Final hidden states of each row, [L_i, H], on the CPU in the compute dtype."""
-        prompts = [{"prompt_token_ids": [int(t) for t in row]} for row in rows]
+        prompts = [{"prompt_token_ids": np.asarray(row).tolist()} for row in rows]
         outputs = self._llm.encode(prompts, pooling_task="token_embed", use_tqdm=False)
         states = []
         for row, output in zip(rows, outputs, strict=True):
