@@ -14,7 +14,7 @@ import click
 from mopd.cli.precompute_command import precompute_command
 from mopd.cli.quickstart import quickstart_command
 from mopd.cli.store_commands import inspect_command, verify_manifest_command
-from mopd.cli.train_command import train_command
+from mopd.cli.train_command import export_hf_command, train_command
 from mopd.store.errors import MopdError
 from mopd.store.version import __version__
 
@@ -41,6 +41,7 @@ cli.add_command(precompute_command)
 cli.add_command(verify_manifest_command)
 cli.add_command(inspect_command)
 cli.add_command(train_command)
+cli.add_command(export_hf_command)
 cli.add_command(quickstart_command)
 
 

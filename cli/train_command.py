@@ -8,6 +8,7 @@ import click
 
 from mopd.cli.console import plain_log, stderr_console
 from mopd.store.config import load_config
+from mopd.train.export import export_hf
 from mopd.train.trainer import run_training
 
 
@@ -24,26 +25,55 @@ from mopd.train.trainer import run_training
     "--no-resume refuses a folder that already holds checkpoints.",
 )
 @click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this step (default: train.steps).")
+@click.option(
+    "--export-hf",
+    "export",
+    type=click.Path(path_type=Path),
+    help="Then write the last checkpoint's student here as a transformers checkpoint (a new folder).",
+)
 def train_command(
     config_path: Path,
     store_path: Path | None,
     output: Path | None,
     resume: bool | None,
     max_steps: int | None,
+    export: Path | None,
 ) -> None:
     """Distil the student from the teacher store.
 
-    Single process: `mopd train CONFIG`. Data parallel: `torchrun --nproc-per-node N -m mopd.cli train
-    CONFIG` (gloo on CPU, NCCL on GPU). Writes OUTPUT/metrics.jsonl, OUTPUT/metrics.png and
-    OUTPUT/checkpoints/step_NNNNNNNN/ (a transformers checkpoint of the student under model/).
+    Single process: `mopd train CONFIG`. Data parallel (hf backend) or tensor × pipeline × data parallel
+    (train.backend megatron, train.parallel tp/pp): `torchrun --nproc-per-node N -m mopd.cli train CONFIG`
+    (gloo on CPU, NCCL on GPU). Writes OUTPUT/metrics.jsonl, OUTPUT/metrics.png and
+    OUTPUT/checkpoints/step_NNNNNNNN/ (the student under model/: a transformers checkpoint, or one shard
+    per tensor-parallel slice and stage on the megatron backend — see `mopd export-hf`).
     """
     config = load_config(config_path)
     console = stderr_console()
     log = plain_log(console)
     result = run_training(
-        config, store_path=store_path, output=output, resume=resume, max_steps=max_steps, log=log
+        config,
+        store_path=store_path,
+        output=output,
+        resume=resume,
+        max_steps=max_steps,
+        export=export,
+        log=log,
     )
     if result.checkpoint is not None:
         console.print(
             f"trained steps {result.first_step}..{result.last_step}; checkpoint {result.checkpoint}"
         )
+
+
+@click.command("export-hf")
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.argument("output", type=click.Path(path_type=Path))
+def export_hf_command(checkpoint: Path, output: Path) -> None:
+    """Write a training checkpoint's student to OUTPUT as a transformers checkpoint.
+
+    CHECKPOINT is a checkpoint folder (OUTPUT/checkpoints/step_NNNNNNNN) or a run folder (its latest
+    complete checkpoint). A megatron-backend checkpoint's shards are joined into the student's own
+    architecture; one process, no torchrun. OUTPUT must be a new (or empty) folder.
+    """
+    exported = export_hf(checkpoint, output)
+    stderr_console().print(f"exported {exported} to {output}")

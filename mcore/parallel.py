@@ -28,6 +28,7 @@ class ModelParallelGroup:
     dp_rank: int
     dp_size: int
     lead_rank: int  # global rank of the last stage's first tensor-parallel rank
+    owns_process_group: bool = False  # `start` made the process group (a world of one, no torchrun)
 
     @property
     def is_lead(self) -> bool:
@@ -56,7 +57,8 @@ class ModelParallelGroup:
                 f"the megatron backend needs megatron-core ({err}); pip install 'mopd[megatron]'"
             ) from err
         where = resolve_device(device)
-        if not dist.is_initialized():
+        owns = not dist.is_initialized()
+        if owns:
             _init_process_group(where)
         world = dist.get_world_size()
         if world % (parallel.tp * parallel.pp):
@@ -87,7 +89,16 @@ class ModelParallelGroup:
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=parallel_state.get_data_parallel_world_size(),
             lead_rank=lead,
+            owns_process_group=owns,
         )
+
+    def close(self) -> None:
+        """Leaves megatron-core's parallel state, and the process group where `start` made it."""
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if self.owns_process_group:
+            dist.destroy_process_group()
 
     def share(self, items: list[Any]) -> list[Any]:
         """The lead's `items`, on every rank of the model-parallel group."""

@@ -66,6 +66,22 @@ class DataParallel:
             for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
                 g.copy_(part.view_as(g))
 
+    def all_gather_object(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order (picklable objects only)."""
+        if not self.enabled:
+            return [value]
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, value, group=self.group)
+        return gathered
+
+    def broadcast_object(self, value: Any, src: int = 0) -> Any:
+        """`value` of rank `src`, on every rank (picklable objects only)."""
+        if not self.enabled:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier(group=self.group)

@@ -67,8 +67,11 @@ class TeacherHeads:
     @property
     def resident_bytes(self) -> int:
         """Bytes of teacher heads held on the device between uses (all of them under `none`)."""
-        if self.lifecycle != "none":
-            return 0
+        return self.held_bytes if self.lifecycle == "none" else 0
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of teacher heads this rank keeps between uses, on the device or in host memory."""
         return sum(h.numel() * h.element_size() for h in self._kept.values())
 
     @property

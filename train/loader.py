@@ -66,8 +66,11 @@ class Step:
     state_after: LoaderState
 
 
-def read_microbatch(store: TeacherStore, rows: np.ndarray) -> MicroBatch:
-    """Reads rows (tokens, masks, teacher index, hidden states at trained positions) into a microbatch."""
+def read_microbatch(store: TeacherStore, rows: np.ndarray, *, teacher_hidden: bool = True) -> MicroBatch:
+    """Reads rows (tokens, masks, teacher index, hidden states at trained positions) into a microbatch.
+
+    Without `teacher_hidden` (a pipeline stage that computes no loss) the teacher states are not read.
+    """
     stored = [store.row(int(r)) for r in rows]
     longest = max(row.input_ids.shape[0] for row in stored)
     input_ids = torch.zeros(len(stored), longest, dtype=torch.long)
@@ -81,7 +84,7 @@ def read_microbatch(store: TeacherStore, rows: np.ndarray) -> MicroBatch:
         attention[b, :length] = 1
         loss_mask[b, :length] = row.loss_mask
         labels[b, : length - 1] = row.input_ids[1:]
-        if row.loss_mask.any():
+        if teacher_hidden and row.loss_mask.any():
             hidden.setdefault(row.teacher_index, []).append(store.hidden(int(r))[row.loss_mask])
     teacher_of_row = torch.tensor([row.teacher_index for row in stored], dtype=torch.long)
     token_row = loss_mask.nonzero()[:, 0]
@@ -106,6 +109,7 @@ class StoreLoader:
         seed, micro_batch_tokens, global_batch_tokens: the data order (see `data_order`).
         dp_rank, dp_size: this rank's place in the data-parallel group.
         prefetch: steps read ahead.
+        teacher_hidden: read the teacher hidden states (only ranks that compute the loss need them).
     """
 
     def __init__(
@@ -118,6 +122,7 @@ class StoreLoader:
         dp_rank: int = 0,
         dp_size: int = 1,
         prefetch: int = 2,
+        teacher_hidden: bool = True,
     ) -> None:
         if rows.shape[0] == 0:
             raise ValueError("no rows to train on")
@@ -128,6 +133,7 @@ class StoreLoader:
         self.global_batch_tokens = global_batch_tokens
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.prefetch = prefetch
+        self.teacher_hidden = teacher_hidden
 
     def _plan(self, state: LoaderState) -> Iterator[tuple[list[np.ndarray], LoaderState]]:
         epoch, position = state.epoch, state.step_in_epoch
@@ -155,7 +161,9 @@ class StoreLoader:
         def produce() -> None:
             try:
                 for micro_rows, after in self._plan(state):
-                    step = Step([read_microbatch(self.store, rows) for rows in micro_rows], after)
+                    with_teacher = self.teacher_hidden
+                    read = [read_microbatch(self.store, r, teacher_hidden=with_teacher) for r in micro_rows]
+                    step = Step(read, after)
                     while not stop.is_set():
                         try:
                             out.put(step, timeout=0.1)

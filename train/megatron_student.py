@@ -15,20 +15,28 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
 from mopd.mcore.cpu_compat import megatron_device
-from mopd.mcore.model import load_stage, stage_forward
+from mopd.mcore.model import load_stage, load_state, stage_forward
 from mopd.mcore.parallel import ModelParallelGroup
 from mopd.store.errors import ConfigError
+from mopd.store.manifest import Manifest
 from mopd.train.distributed import DataParallel
+from mopd.train.student import LossFn, check_vocabulary, copy_tokenizer
 
-# (final hidden states of the trained tokens [N, H], this rank's output-layer shard, microbatch)
-# -> (loss to back-propagate, anything the caller wants back from the last stage)
-LossFn = Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, Any]]
+
+def shard_name(tp_rank: int, pp_rank: int) -> str:
+    """The checkpoint files of one tensor-parallel slice of one stage: `model/<shard>.safetensors`."""
+    return f"tp{tp_rank:02d}-pp{pp_rank:02d}"
 
 
 class MegatronStudent:
-    """This rank's part of the student; every rank of a model-parallel group holds one."""
+    """This rank's part of the student; every rank of a model-parallel group holds one.
+
+    Only the last pipeline stage computes the loss (`holds_loss`), and of its tensor-parallel ranks,
+    which all see the same per-token values, the first one reports them (`reports`).
+    """
 
     def __init__(self, checkpoint: str | Path, *, group: ModelParallelGroup, dtype: torch.dtype) -> None:
         self.checkpoint = Path(checkpoint)
@@ -38,6 +46,21 @@ class MegatronStudent:
         self.model, self.shape = load_stage(self.checkpoint, group, dtype, what="train.student")
         self.layers_per_stage = self.shape.num_layers // group.pp
         self.model.train()
+        self.holds_loss = group.is_last_stage
+        self.reports = group.is_last_stage and group.tp_rank == 0
+        self.shard = shard_name(group.tp_rank, group.pp_rank)
+        self.writes_checkpoint_shard = group.dp_rank == 0  # the replicas are identical: one writes
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        """What a checkpoint of this student must match to be resumed by it."""
+        return {"backend": "megatron", "tp": self.group.tp, "pp": self.group.pp}
+
+    @property
+    def tp_group(self) -> Any:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_group()
 
     @property
     def vocab_size(self) -> int:
@@ -50,6 +73,11 @@ class MegatronStudent:
         return self.group.tp_rank * self.shape.padded_vocab_size(self.group.tp) // self.group.tp
 
     @property
+    def vocab_stop(self) -> int:
+        """End of this rank's output-layer shard (past `vocab_size` on the last TP rank: padding)."""
+        return self.vocab_start + self.shape.padded_vocab_size(self.group.tp) // self.group.tp
+
+    @property
     def head(self) -> torch.nn.Parameter:
         """[V_padded / tp, H] this rank's shard of the output layer (last stage only)."""
         if not self.group.is_last_stage:
@@ -60,6 +88,38 @@ class MegatronStudent:
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+    def check_compatible(self, manifest: Manifest) -> None:
+        """Refuses a student whose tokenizer or vocabulary differs from the store's teachers."""
+        check_vocabulary(self.checkpoint, self.vocab_size, manifest)
+
+    def save(self, folder: Path) -> None:
+        """This rank's weights as `folder/<shard>.safetensors`; the first shard also copies the
+        student's config and tokenizer files (`mopd export-hf` turns the folder into an HF checkpoint)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {
+            name: value.detach().contiguous().cpu().clone()
+            for name, value in self.model.state_dict().items()
+            if isinstance(value, torch.Tensor) and not name.endswith("._extra_state")
+        }
+        save_file(state, str(folder / f"{self.shard}.safetensors"))
+        if self.group.tp_rank == 0 and self.group.pp_rank == 0:
+            (folder / "config.json").write_bytes((self.checkpoint / "config.json").read_bytes())
+            copy_tokenizer(self.checkpoint, folder)
+
+    def load_weights(self, folder: Path) -> None:
+        """Loads the weights `save` wrote for this rank's shard (bit-exact)."""
+        file = folder / f"{self.shard}.safetensors"
+        if not file.exists():
+            raise ConfigError(f"{folder} holds no weights for shard {self.shard} of this layout")
+        load_state(self.model, load_file(str(file)))
+
+    def close(self) -> None:
+        """Leaves megatron-core's parallel state (and the process group, where `group` made it)."""
+        self.group.close()
 
     def data_parallel(self) -> DataParallel:
         """The replicas of this rank's stage and slice: they sum gradients, and split the data."""
@@ -122,6 +182,8 @@ class MegatronStudent:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         returned: list = []
+        if not microbatches:  # a data-parallel replica with no rows in this step
+            return returned
         head = self.head if self.group.is_last_stage else None
 
         def forward_step(data: Iterator[Any], model: Any) -> tuple[torch.Tensor, Callable]:

@@ -8,9 +8,10 @@ matrix, and its gradient gathers both uses.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -18,6 +19,47 @@ from mopd.store.errors import ConfigError
 from mopd.store.fingerprint import vocab_hash
 from mopd.store.manifest import Manifest
 from mopd.store.transform import LogitTransform
+from mopd.train.distributed import DataParallel
+
+# (final hidden states of the trained tokens [N, H], this rank's output-layer shard, microbatch)
+# -> (loss to back-propagate, anything the caller wants back)
+LossFn = Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, Any]]
+
+
+class TrainStudent(Protocol):
+    """What the trainer needs of a student backend (`HFStudent`, `MegatronStudent`) on one rank."""
+
+    checkpoint: Path
+    holds_loss: bool  # this rank computes the loss, so holds the teacher heads
+    reports: bool  # this rank's per-token statistics count toward the step's metrics
+    shard: str  # names this rank's checkpoint files ("" for a whole model)
+    writes_checkpoint_shard: bool  # of identical replicas, the one that writes
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def vocab_start(self) -> int: ...
+    @property
+    def vocab_stop(self) -> int: ...
+    @property
+    def tp_group(self) -> Any: ...
+    @property
+    def layout(self) -> dict[str, Any]: ...
+    def parameters(self) -> list[torch.nn.Parameter]: ...
+    def data_parallel(self) -> DataParallel: ...
+    def train(self, mode: bool = True) -> None: ...
+    def check_compatible(self, manifest: Manifest) -> None: ...
+    def forward_backward(
+        self, microbatches: Sequence[Any], loss_fn: LossFn, *, forward_only: bool = False
+    ) -> list: ...
+    def finish_gradients(self) -> None: ...
+    def clip_gradients(self, max_norm: float) -> float: ...
+    def save(self, folder: Path) -> None: ...
+    def load_weights(self, folder: Path) -> None: ...
+    def close(self) -> None: ...
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json")
 
 
 @contextmanager
@@ -32,12 +74,50 @@ def _quiet() -> Iterator[None]:
         hf_logging.enable_progress_bar()
 
 
-class HFStudent:
-    """A transformers causal LM loaded from a local checkpoint folder, in `dtype`, on `device`."""
+def check_vocabulary(checkpoint: Path, vocab_size: int, manifest: Manifest) -> None:
+    """Refuses a student whose tokenizer differs from the store's teachers, or whose output layer
+    (`vocab_size` real rows) does not cover every teacher's vocabulary."""
+    tokenizer_file = checkpoint / "tokenizer.json"
+    if tokenizer_file.exists() and vocab_hash(checkpoint) != manifest.tokenizer.vocab_hash:
+        raise ConfigError(
+            f"train.student: {checkpoint} has another tokenizer vocabulary than the store "
+            f"({manifest.tokenizer.name}); student and teachers must share one vocabulary"
+        )
+    for teacher in manifest.teachers:
+        if teacher.vocab_size > vocab_size:
+            raise ConfigError(
+                f"train.student: its output layer has {vocab_size} rows, teacher {teacher.index} "
+                f"({teacher.checkpoint}) {teacher.vocab_size}; the student must cover the vocabulary"
+            )
 
-    def __init__(self, checkpoint: str | Path, *, device: torch.device, dtype: torch.dtype) -> None:
+
+def copy_tokenizer(source: Path, folder: Path) -> None:
+    """The student's tokenizer files, next to its weights (an exported checkpoint is self-contained)."""
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            (folder / name).write_bytes((source / name).read_bytes())
+
+
+class HFStudent:
+    """A transformers causal LM loaded from a local checkpoint folder, in `dtype`, on `device`; its
+    data-parallel replicas are the ranks of `dp`.
+
+    Every rank holds the whole model, computes the loss and reports its statistics.
+    """
+
+    holds_loss = True  # this rank runs the loss (and so needs the teacher heads)
+    reports = True  # this rank's per-token statistics count toward the step's metrics
+    shard = ""  # the whole model: one weights file, one optimizer file
+    tp_group = None
+    vocab_start = 0
+
+    def __init__(
+        self, checkpoint: str | Path, *, device: torch.device, dtype: torch.dtype, dp: DataParallel
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
+        self.dp = dp
+        self.writes_checkpoint_shard = dp.rank == 0  # the replicas are identical: one writes
         self.checkpoint = Path(checkpoint)
         if not self.checkpoint.is_dir():
             raise ConfigError(f"train.student: {self.checkpoint} is not a checkpoint folder")
@@ -65,8 +145,47 @@ class HFStudent:
     def vocab_size(self) -> int:
         return int(self.head.shape[0])
 
+    @property
+    def vocab_stop(self) -> int:
+        return self.vocab_size
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        """What a checkpoint of this student must match to be resumed by it."""
+        return {"backend": "hf"}
+
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def data_parallel(self) -> DataParallel:
+        return self.dp
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+    def forward_backward(
+        self, microbatches: Sequence[Any], loss_fn: LossFn, *, forward_only: bool = False
+    ) -> list:
+        """Forward (and, unless `forward_only`, backward) of each microbatch in turn; returns what
+        `loss_fn` gave back for each. Microbatches need `input_ids`, `attention_mask` and `loss_mask`."""
+        returned = []
+        device = self.head.device
+        with torch.no_grad() if forward_only else nullcontext():
+            for mb in microbatches:
+                hidden = self.hidden_states(mb.input_ids.to(device), mb.attention_mask.to(device))
+                loss, extra = loss_fn(hidden[mb.loss_mask.to(device)], self.head, mb)
+                if not forward_only:
+                    loss.backward()
+                returned.append(extra)
+        return returned
+
+    def finish_gradients(self) -> None:
+        """Sums the gradients over the data-parallel replicas."""
+        self.dp.sum_gradients(self.parameters())
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Clips the global gradient norm to `max_norm`; returns the norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm))
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, L, H] final hidden states (after the last norm), the output layer's input."""
@@ -74,27 +193,16 @@ class HFStudent:
 
     def check_compatible(self, manifest: Manifest) -> None:
         """Refuses a student whose tokenizer or output vocabulary differs from the store's teachers."""
-        tokenizer_file = self.checkpoint / "tokenizer.json"
-        if tokenizer_file.exists() and vocab_hash(self.checkpoint) != manifest.tokenizer.vocab_hash:
-            raise ConfigError(
-                f"train.student: {self.checkpoint} has another tokenizer vocabulary than the store "
-                f"({manifest.tokenizer.name}); student and teachers must share one vocabulary"
-            )
-        for teacher in manifest.teachers:
-            if teacher.vocab_size > self.vocab_size:
-                raise ConfigError(
-                    f"train.student: its output layer has {self.vocab_size} rows, teacher {teacher.index} "
-                    f"({teacher.checkpoint}) {teacher.vocab_size}; the student must cover the vocabulary"
-                )
+        check_vocabulary(self.checkpoint, self.vocab_size, manifest)
 
     def save(self, folder: Path) -> None:
         """A complete transformers checkpoint (config, safetensors weights, tokenizer files)."""
         with _quiet():
             self.model.save_pretrained(folder)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json"):
-            source = self.checkpoint / name
-            if source.exists():
-                (folder / name).write_bytes(source.read_bytes())
+        copy_tokenizer(self.checkpoint, folder)
+
+    def close(self) -> None:
+        """Nothing to release (the trainer owns the data-parallel group)."""
 
     def load_weights(self, folder: Path) -> None:
         """Loads weights saved by `save` (bit-exact; resuming continues from exactly these values)."""

@@ -1,10 +1,16 @@
 """`mopd train`: distil the student from the store (DESIGN §7).
 
-One optimiser step: this rank's microbatches of the step run forward and backward one at a time, each
-token's loss weighted by 1 / (the step's trained tokens over all ranks) — or, at sequence level, by
-1 / (its row's trained tokens × the step's trained rows over all ranks) — so the gradients summed over
-the ranks are those of the global batch whatever the rank count. Then the gradient norm is checked and
+One optimiser step: this replica's microbatches of the step run forward and backward (one at a time on
+the hf backend, through megatron-core's pipeline schedule on the megatron backend), each token's loss
+weighted by 1 / (the step's trained tokens over all data-parallel replicas) — or, at sequence level, by
+1 / (its row's trained tokens × the step's trained rows over all replicas) — so the gradients summed over
+the replicas are those of the global batch whatever the layout. Then the gradient norm is checked and
 clipped, and AdamW steps under a linear-warmup, cosine-decay schedule.
+
+Ranks: the world is torchrun's processes. On the hf backend each is a data-parallel replica holding the
+whole student. On the megatron backend the world splits into tp × pp model-parallel groups, one per
+replica; only the last pipeline stage holds teacher heads (its TP rank's vocabulary slice) and computes
+the loss, and its first TP rank reports the per-token statistics that rank 0 logs.
 """
 
 from __future__ import annotations
@@ -30,10 +36,11 @@ from mopd.train.checkpoint import ResumePoint, complete_checkpoints, load_checkp
 from mopd.train.data_order import LoaderState, rank_microbatches
 from mopd.train.distributed import DataParallel
 from mopd.train.divergence import linear_cross_entropy, linear_divergence
+from mopd.train.export import export_hf
 from mopd.train.heads import TeacherHeads
 from mopd.train.loader import MicroBatch, Step, StoreLoader, read_microbatch
 from mopd.train.metrics import PLOT_FILE, MetricsLog, plot_metrics, step_line
-from mopd.train.student import HFStudent
+from mopd.train.student import HFStudent, TrainStudent
 
 Log = Callable[[str], None]
 
@@ -49,6 +56,7 @@ class TrainResult:
     last_step: int
     checkpoint: Path | None
     heads_peak_resident: int
+    heads_by_rank: list[int]  # bytes of teacher heads each rank of the world held
     records: list[dict] = field(default_factory=list)  # this run's metrics records, train and eval
 
 
@@ -100,9 +108,16 @@ class _Objective:
     """The loss of one microbatch: weighted divergence to each token's teacher (+ hard-label CE)."""
 
     def __init__(
-        self, cfg: DivergenceConfig, heads: TeacherHeads, weights: dict[int, float], vocab_size: int
+        self,
+        cfg: DivergenceConfig,
+        heads: TeacherHeads,
+        weights: dict[int, float],
+        vocab_size: int,
+        student: TrainStudent,
     ) -> None:
         self.cfg, self.heads, self.vocab_size = cfg, heads, vocab_size
+        # this rank's vocabulary shard of the student's output layer and of every teacher head
+        self.shard = dict(tp_group=student.tp_group, vocab_start=student.vocab_start, vocab_size=vocab_size)
         self.weight_of = torch.zeros(max(weights) + 1)
         for t, w in weights.items():
             self.weight_of[t] = w
@@ -118,8 +133,8 @@ class _Objective:
             beta=cfg.beta,
             temperature=cfg.temperature,
             chunk_size=cfg.chunk_size,
-            vocab_size=self.vocab_size,
             teacher_transforms=self.heads.transforms,
+            **self.shard,
         )
         if self.heads.all_on_device:
             out = linear_divergence(
@@ -156,7 +171,7 @@ class _Objective:
                 mb.labels,
                 weights=norm_N,
                 chunk_size=cfg.chunk_size,
-                vocab_size=self.vocab_size,
+                **self.shard,
             )
             loss = loss + cfg.ce_weight * ce.loss
         return loss, per_token
@@ -166,6 +181,7 @@ class _StepStats:
     """Sums over trained tokens, per teacher, reduced over the data-parallel ranks."""
 
     def __init__(self, num_teachers: int) -> None:
+        self.local_nonfinite = 0.0  # this rank's own count, kept through `reduce`
         self.sums = torch.zeros(num_teachers, dtype=torch.float64)
         self.counts = torch.zeros(num_teachers, dtype=torch.float64)
         self.extremes = torch.tensor([math.inf, math.inf], dtype=torch.float64)  # min, −max: both minimised
@@ -183,6 +199,8 @@ class _StepStats:
         self.loss += loss.detach().double().cpu()
 
     def reduce(self, dp: DataParallel) -> None:
+        """Sums over the ranks of `dp` (ranks that report nothing add zeros)."""
+        self.local_nonfinite = float(self.nonfinite.sum())
         packed = dp.all_reduce(torch.cat([self.sums, self.counts, self.nonfinite, self.loss[None]]))
         k = self.sums.shape[0]
         self.sums, self.counts, self.nonfinite, self.loss = (
@@ -222,43 +240,41 @@ class Trainer:
         if config.train is None:
             raise ConfigError("the config has no `train` section; add one (see DESIGN §9) to train")
         tc: TrainConfig = config.train
-        if tc.backend != "hf":
-            raise ConfigError(f"train.backend: {tc.backend!r} is not available yet; use `hf`")
-        if tc.parallel.tp > 1 or tc.parallel.pp > 1:
+        if tc.backend == "hf" and (tc.parallel.tp > 1 or tc.parallel.pp > 1):
             raise ConfigError(
                 "train.parallel: the hf backend trains with data parallelism only (tp = pp = 1); tensor and "
                 "pipeline parallelism need train.backend megatron"
             )
         self.tc = tc
         self.device = resolve_device(tc.device)
-        self.dp = DataParallel.from_environment(self.device)
-        if self.device.type == "cuda" and self.dp.enabled:
-            self.device = torch.device("cuda", self.dp.rank % torch.cuda.device_count())
-        self.log = log if self.dp.rank == 0 else (lambda _line: None)
+        self.world = DataParallel.from_environment(self.device)
+        if self.device.type == "cuda" and self.world.enabled:
+            self.device = torch.device("cuda", self.world.rank % torch.cuda.device_count())
+        self.log = log if self.world.rank == 0 else (lambda _line: None)
         self.output = Path(output or tc.output_dir)
         torch.manual_seed(tc.seed)
         self.store: TeacherStore = open_store(store_path or config.store.path)
         manifest = self.store.manifest
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[tc.dtype]
-        self.student = HFStudent(tc.student, device=self.device, dtype=dtype)
+        self.student = self._load_student(tc)
+        self.replicas = self.student.data_parallel()
         self.student.check_compatible(manifest)
         self.vocab_size = manifest.teachers[0].vocab_size
         self.num_teachers = max(t.index for t in manifest.teachers) + 1
         self.heads = TeacherHeads(
             self.store,
-            [t.index for t in manifest.teachers],
+            [t.index for t in manifest.teachers] if self.student.holds_loss else [],
             lifecycle=tc.lm_head_lifecycle,
             device=self.device,
-            vocab_start=0,
-            vocab_stop=self.student.vocab_size,
+            vocab_start=self.student.vocab_start,
+            vocab_stop=self.student.vocab_stop,
         )
-        if tc.lm_head_lifecycle == "none":
-            self.log(
-                f"lm_head_lifecycle none: {len(self.heads.teachers)} teacher heads stay on {self.device} "
-                f"({self.heads.resident_bytes / 2**20:.1f} MiB); this grows linearly with the teacher count"
-            )
+        self.heads_by_rank = self._account_heads()
         self.objective = _Objective(
-            tc.divergence, self.heads, teacher_weights(manifest, tc.teacher_weights), self.vocab_size
+            tc.divergence,
+            self.heads,
+            teacher_weights(manifest, tc.teacher_weights),
+            self.vocab_size,
+            self.student,
         )
         held = held_out_rows(self.store.num_rows, tc.eval.rows, tc.seed) if tc.eval.rows else np.zeros(0, int)
         self.eval_rows = held
@@ -267,8 +283,9 @@ class Trainer:
             np.setdiff1d(np.arange(self.store.num_rows), held),
             micro_batch_tokens=tc.batch.micro_batch_tokens,
             global_batch_tokens=tc.batch.global_batch_tokens,
-            dp_rank=self.dp.rank,
-            dp_size=self.dp.size,
+            dp_rank=self.replicas.rank,
+            dp_size=self.replicas.size,
+            teacher_hidden=self.student.holds_loss,
         )
         self.optimizer = torch.optim.AdamW(
             self.student.parameters(), lr=tc.optim.lr, weight_decay=tc.optim.weight_decay
@@ -277,6 +294,36 @@ class Trainer:
             self.optimizer, lambda s: lr_factor(s, warmup=tc.optim.warmup_steps, total=tc.steps)
         )
         self.teacher_list = [TeacherIdentity(t.index, t.checkpoint, t.fingerprint) for t in manifest.teachers]
+
+    def _load_student(self, tc: TrainConfig) -> TrainStudent:
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[tc.dtype]
+        if tc.backend == "megatron":
+            from mopd.mcore.parallel import ModelParallelGroup
+            from mopd.train.megatron_student import MegatronStudent
+
+            group = ModelParallelGroup.start(tc.parallel, tc.device, what="train.parallel")
+            self.device = group.device
+            try:
+                return MegatronStudent(tc.student, group=group, dtype=dtype)
+            except BaseException:
+                group.close()
+                raise
+        return HFStudent(tc.student, device=self.device, dtype=dtype, dp=self.world)
+
+    def _account_heads(self) -> list[int]:
+        """Bytes of teacher heads each rank of the world holds (device or host), logged by rank 0."""
+        held = self.world.all_gather_object(self.heads.held_bytes)
+        if self.tc.lm_head_lifecycle == "none":
+            self.log(
+                f"lm_head_lifecycle none: {len(self.heads.teachers)} teacher heads stay on {self.device} "
+                f"({self.heads.resident_bytes / 2**20:.1f} MiB); this grows linearly with the teacher count"
+            )
+        if self.world.enabled:
+            self.log(
+                "teacher heads held by rank: "
+                + ", ".join(f"{rank}: {size / 2**20:.2f} MiB" for rank, size in enumerate(held))
+            )
+        return held
 
     @property
     def checkpoint_root(self) -> Path:
@@ -316,30 +363,33 @@ class Trainer:
         return 1.0 / (per_row[mb.token_row] * denominator)
 
     def _global_denominator(self, microbatches: list[MicroBatch]) -> tuple[float, float]:
-        """(normaliser of the loss, all tokens of the step), both summed over the ranks."""
+        """(normaliser of the loss, all tokens of the step), both summed over the replicas."""
         trained = sum(mb.num_trained for mb in microbatches)
         rows = sum(int(mb.loss_mask.any(1).sum()) for mb in microbatches)
         tokens = sum(mb.num_tokens for mb in microbatches)
-        counts = self.dp.all_reduce(torch.tensor([trained, rows, tokens], dtype=torch.float64))
+        counts = self.replicas.all_reduce(torch.tensor([trained, rows, tokens], dtype=torch.float64))
         denominator = counts[0] if self.tc.divergence.level == "token" else counts[1]
         return max(float(denominator), 1.0), float(counts[2])
 
     def train_step(self, step: int, batch: Step) -> dict:
-        """Forward and backward of this rank's microbatches, gradient sum over ranks, optimiser step."""
+        """Forward and backward of this replica's microbatches, gradient sum over the replicas, optimiser
+        step."""
         start = time.perf_counter()
-        params = self.student.parameters()
         self.optimizer.zero_grad(set_to_none=True)
         denominator, tokens = self._global_denominator(batch.microbatches)
         stats = _StepStats(self.num_teachers)
-        for mb in batch.microbatches:
+
+        def loss_fn(hidden: torch.Tensor, head: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, None]:
             mb = mb.to(self.device)
-            hidden = self.student.hidden_states(mb.input_ids, mb.attention_mask)[mb.loss_mask]
-            loss, per_token = self.objective(hidden, self.student.head, mb, self._token_norm(mb, denominator))
-            loss.backward()
-            stats.add(per_token, mb.token_teacher, loss)
-        self.dp.sum_gradients(params)
-        stats.reduce(self.dp)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.tc.optim.grad_clip))
+            loss, per_token = self.objective(hidden, head, mb, self._token_norm(mb, denominator))
+            if self.student.reports:
+                stats.add(per_token, mb.token_teacher, loss)
+            return loss, None
+
+        self.student.forward_backward(batch.microbatches, loss_fn)
+        self.student.finish_gradients()
+        stats.reduce(self.world)
+        grad_norm = self.student.clip_gradients(self.tc.optim.grad_clip)
         if stats.nonfinite.any() or not math.isfinite(grad_norm) or not math.isfinite(float(stats.loss)):
             self._refuse_nonfinite(step, stats, grad_norm)
         lr = self.scheduler.get_last_lr()[0]
@@ -357,15 +407,15 @@ class Trainer:
         }
 
     def _refuse_nonfinite(self, step: int, stats: _StepStats, grad_norm: float) -> None:
-        flags = torch.zeros(self.dp.size, dtype=torch.float64)
-        flags[self.dp.rank] = float(stats.nonfinite.sum())
-        ranks = self.dp.all_reduce(flags).nonzero()[:, 0].tolist()
+        flags = torch.zeros(self.world.size, dtype=torch.float64)
+        flags[self.world.rank] = stats.local_nonfinite
+        ranks = self.world.all_reduce(flags).nonzero()[:, 0].tolist()
         teachers = stats.nonfinite.nonzero()[:, 0].tolist()
         where = (
             f"non-finite divergence on rank {', '.join(map(str, ranks))} for teacher "
             f"{', '.join(map(str, teachers))}"
             if teachers
-            else f"non-finite gradient (norm {grad_norm}) on rank {self.dp.rank}"
+            else f"non-finite gradient (norm {grad_norm}) on rank {self.world.rank}"
         )
         latest = complete_checkpoints(self.checkpoint_root)
         kept = (
@@ -381,23 +431,30 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, step: int) -> dict:
         """Mean divergence per trained token of the held-out rows, by teacher (no weighting, no CE)."""
-        self.student.model.eval()
-        lengths = self.store.lengths
+        self.student.train(False)
         stats = _StepStats(self.num_teachers)
-        for rows in rank_microbatches(
-            self.eval_rows,
-            lengths,
-            dp_rank=self.dp.rank,
-            dp_size=self.dp.size,
-            micro_batch_tokens=self.tc.batch.micro_batch_tokens,
-        ):
-            mb = read_microbatch(self.store, rows).to(self.device)
-            hidden = self.student.hidden_states(mb.input_ids, mb.attention_mask)[mb.loss_mask]
+
+        def loss_fn(hidden: torch.Tensor, head: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, None]:
+            mb = mb.to(self.device)
             norm = torch.zeros(mb.num_trained, device=self.device)
-            _, per_token = self.objective(hidden, self.student.head.detach(), mb, norm)
-            stats.add(per_token, mb.token_teacher, torch.zeros(()))
-        stats.reduce(self.dp)
-        self.student.model.train()
+            loss, per_token = self.objective(hidden, head.detach(), mb, norm)
+            if self.student.reports:
+                stats.add(per_token, mb.token_teacher, torch.zeros(()))
+            return loss, None
+
+        microbatches = [
+            read_microbatch(self.store, rows, teacher_hidden=self.student.holds_loss)
+            for rows in rank_microbatches(
+                self.eval_rows,
+                self.store.lengths,
+                dp_rank=self.replicas.rank,
+                dp_size=self.replicas.size,
+                micro_batch_tokens=self.tc.batch.micro_batch_tokens,
+            )
+        ]
+        self.student.forward_backward(microbatches, loss_fn, forward_only=True)
+        stats.reduce(self.world)
+        self.student.train()
         record = stats.record()
         del record["loss"]
         return {"split": "eval", "step": step, **record}
@@ -406,23 +463,38 @@ class Trainer:
         every = self.tc.eval.every
         return self.eval_rows.shape[0] > 0 and (step == last or (every > 0 and step % every == 0))
 
-    def run(self, *, resume: bool | None = None, max_steps: int | None = None) -> TrainResult:
-        """Trains from the start or the latest checkpoint up to `max_steps` (default train.steps)."""
+    def run(
+        self, *, resume: bool | None = None, max_steps: int | None = None, export: Path | None = None
+    ) -> TrainResult:
+        """Trains from the start or the latest checkpoint up to `max_steps` (default train.steps); with
+        `export`, then writes the latest checkpoint's student there as a transformers checkpoint."""
         try:
-            return self._run(resume, max_steps)
+            result = self._run(resume, max_steps)
+            if export is not None:
+                latest = complete_checkpoints(self.checkpoint_root)
+                if not latest:
+                    raise ConfigError(f"--export-hf: {self.checkpoint_root} holds no checkpoint to export")
+                if self.world.rank == 0:
+                    export_hf(latest[-1], export)
+                    self.log(f"exported {latest[-1].name} as a transformers checkpoint: {export}")
+                self.world.barrier()
+            return result
         finally:
-            self.dp.close()
+            self.student.close()
+            self.world.close()
 
     def _run(self, resume: bool | None, max_steps: int | None) -> TrainResult:
         point = self._resume_point(resume)
         first = (point.step if point else 0) + 1
         last = min(self.tc.steps, max_steps if max_steps is not None else self.tc.steps)
-        result = TrainResult(self.output, first, last, None, 0)
+        result = TrainResult(self.output, first, last, None, 0, self.heads_by_rank)
         if first > last:
             self.log(f"nothing to train: the run in {self.output} is at step {first - 1} of {last}")
             return result
         metrics = (
-            MetricsLog(self.output, resume_step=point.step if point else None) if self.dp.rank == 0 else None
+            MetricsLog(self.output, resume_step=point.step if point else None)
+            if self.world.rank == 0
+            else None
         )
 
         def emit(record: dict, line: str) -> None:
@@ -444,18 +516,17 @@ class Trainer:
                 record = self.train_step(step, batch)
                 emit(record, step_line(record, self.tc.steps))
                 if step % self.tc.checkpoint.every == 0 or step == last:
-                    if self.dp.rank == 0:
-                        result.checkpoint = save_checkpoint(
-                            self.checkpoint_root,
-                            step,
-                            student=self.student,
-                            optimizer=self.optimizer,
-                            scheduler=self.scheduler,
-                            loader=batch.state_after,
-                            teachers=self.teacher_list,
-                            keep=self.tc.checkpoint.keep,
-                        )
-                    self.dp.barrier()
+                    result.checkpoint = save_checkpoint(
+                        self.checkpoint_root,
+                        step,
+                        student=self.student,
+                        optimizer=self.optimizer,
+                        scheduler=self.scheduler,
+                        loader=batch.state_after,
+                        teachers=self.teacher_list,
+                        keep=self.tc.checkpoint.keep,
+                        world=self.world,
+                    )
                 if self._should_eval(step, last):
                     record = self.evaluate(step)
                     emit(
@@ -480,9 +551,10 @@ def run_training(
     output: str | Path | None = None,
     resume: bool | None = None,
     max_steps: int | None = None,
+    export: Path | None = None,
     log: Log = print,
 ) -> TrainResult:
     """Builds the trainer and runs it (see `Trainer.run`)."""
     return Trainer(config, store_path=store_path, output=output, log=log).run(
-        resume=resume, max_steps=max_steps
+        resume=resume, max_steps=max_steps, export=export
     )

@@ -13,6 +13,8 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -89,3 +91,22 @@ def run_distributed(
         rank = min(errors)
         raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
     return [pickle.loads(outcome[r][1]) for r in range(world_size)]
+
+
+def run_torchrun(mopd_args: list[str], *, nproc: int, timeout: float = 300.0) -> str:
+    """`torchrun --standalone --nproc-per-node N -m mopd.cli ARGS` (one thread per rank); returns its
+    stderr (where mopd logs).
+
+    Raises:
+        AssertionError: the launch failed (with the end of its output).
+    """
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    done = subprocess.run(
+        [*launch, "-m", "mopd.cli", *mopd_args],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stderr

@@ -1,6 +1,5 @@
 """A megatron-core student step through the pipeline schedules gives the HF student's loss, gradients and
-gradient norm (TP2×PP2, TP2×DP2, PP2×DP2 and a tied PP=2 student on gloo; gradients mapped back to HF
-names by the weight conversion)."""
+gradient norm (TP2×PP2 on gloo; gradients mapped back to HF names by the weight conversion)."""
 
 from __future__ import annotations
 
@@ -60,7 +59,7 @@ def reference(checkpoint: Path, mbs: list[Micro], teacher_head: torch.Tensor) ->
             chunk_size=8,
         )
         out.loss.backward()
-        loss_sum += float(out.loss)
+        loss_sum += float(out.loss.detach())
     grads = {name: p.grad for name, p in model.named_parameters()}
     return loss_sum, grads, float(torch.stack([g.double().pow(2).sum() for g in grads.values()]).sum().sqrt())
 
@@ -116,38 +115,20 @@ def megatron_step(
         parallel_state.destroy_model_parallel()
 
 
-@pytest.fixture(scope="module")
-def students(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
-    """Untied and tied (embedding = output layer) tiny Llama students."""
-    root = tmp_path_factory.mktemp("megatron-student")
+def test_pipeline_step_equals_hf_step(tmp_path: Path) -> None:
+    """TP2×PP2, untied. (The trainer's tests run TP2×PP2, TP2×DP2 and PP2×DP2 with a tied student for
+    5 steps and compare losses; here one step's every gradient is compared.)"""
+    tp, pp = 2, 2
     tokenizer = make_tokenizer()
-    return {
-        tied: save_teacher(
-            root / f"tied-{tied}",
-            "llama",
-            hidden_size=64,
-            seed=41,
-            tokenizer=tokenizer,
-            num_key_value_heads=2,
-            tie_word_embeddings=tied,
-        )
-        for tied in (False, True)
-    }
-
-
-@pytest.mark.parametrize(
-    ("tp", "pp", "dp", "tied"), [(2, 2, 1, False), (2, 1, 2, False), (1, 2, 2, False), (1, 2, 1, True)]
-)
-def test_pipeline_step_equals_hf_step(
-    students: dict[bool, Path], tp: int, pp: int, dp: int, tied: bool
-) -> None:
-    student = students[tied]
-    vocab = len(make_tokenizer())
+    student = save_teacher(
+        tmp_path / "student", "llama", hidden_size=64, seed=41, tokenizer=tokenizer, num_key_value_heads=2
+    )
+    vocab = len(tokenizer)
     mbs = microbatches(vocab)
     teacher_head = torch.randn(vocab, TEACHER_HIDDEN, generator=torch.Generator().manual_seed(6))
     expected_loss, expected, expected_norm = reference(student, mbs, teacher_head)
     results = run_distributed(
-        megatron_step, world_size=tp * pp * dp, args=(tp, pp, str(student), mbs, teacher_head), timeout=240
+        megatron_step, world_size=tp * pp, args=(tp, pp, str(student), mbs, teacher_head), timeout=240
     )
     loss, grads, _ = results[0]
     assert abs(loss - expected_loss) <= 1e-5 * abs(expected_loss)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +9,7 @@ import numpy as np
 from mopd.train.checkpoint import complete_checkpoints
 from mopd.train.metrics import METRICS_FILE, read_metrics
 from mopd.train.trainer import run_training
+from tests.distributed.harness import run_torchrun
 from tests.train.world import World, world_config
 
 
@@ -24,17 +22,8 @@ def test_two_ranks_under_torchrun_match_one_rank(world: World, tmp_path: Path) -
         world_config(world, tmp_path, **options), output=tmp_path / "dp1", log=lambda _l: None
     )
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    done = subprocess.run(
-        [*launch, "-m", "mopd.cli", "train", str(config_path), "--output", str(tmp_path / "dp2")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stderr.count("step 5/5") == 1  # only rank 0 prints
+    log = run_torchrun(["train", str(config_path), "--output", str(tmp_path / "dp2")], nproc=2)
+    assert log.count("step 5/5") == 1  # only rank 0 prints
 
     ones = [r for r in single.records if r.get("split", "train") == "train"]
     twos = read_metrics(tmp_path / "dp2" / METRICS_FILE)

@@ -1,0 +1,241 @@
+"""`mopd train` on the megatron backend under the real launcher: `torchrun --nproc-per-node 4` at
+TP2×PP2, TP2×DP2 and PP2×DP2 gives the single-process hf run's 5 steps; only the last pipeline stage
+holds teacher heads; a TP2×PP2 run resumes exactly, refuses another layout or teacher list, and exports
+an HF student with the trained model's logits."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from mopd.store.config import load_config
+from mopd.train.metrics import METRICS_FILE, read_metrics
+from mopd.train.trainer import TrainResult, run_training
+from tests.distributed.harness import run_distributed, run_torchrun
+from tests.precompute.teachers import make_tokenizer, save_teacher
+from tests.train.world import World, write_train_config
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+COMPARED = ("loss", "divergence", "divergence_min", "divergence_max", "grad_norm")
+TRAIN = dict(
+    steps=5,
+    batch={"micro_batch_tokens": 256, "global_batch_tokens": 1024},
+    eval={"rows": 8, "every": 0},
+    checkpoint={"every": 3, "keep": 5},
+)
+
+
+@dataclass(frozen=True)
+class Setup:
+    world: World
+    student: Path  # a tied Llama student whose heads and KV heads split over two TP ranks
+    root: Path
+
+    def config(self, name: str, *, store: Path | None = None, **train: object) -> Path:
+        return write_train_config(
+            self.root / name,
+            self.world.teachers,
+            data=self.world.data,
+            store=store or self.world.store,
+            student=self.student,
+            **{**TRAIN, **train},
+        )
+
+
+@dataclass(frozen=True)
+class Launched:
+    output: Path
+    log: str
+
+
+@pytest.fixture(scope="module")
+def setup(world: World, tmp_path_factory: pytest.TempPathFactory) -> Setup:
+    root = tmp_path_factory.mktemp("megatron-train")
+    student = save_teacher(
+        root / "student",
+        "llama",
+        hidden_size=64,
+        seed=13,
+        tokenizer=make_tokenizer(),
+        num_key_value_heads=2,
+        tie_word_embeddings=True,  # at pp 2: two copies of the embedding, one on each stage
+    )
+    return Setup(world, student, root)
+
+
+@pytest.fixture(scope="module")
+def single(setup: Setup) -> TrainResult:
+    """The reference: the hf backend in one process."""
+    config = load_config(setup.config("hf"))
+    return run_training(config, output=setup.root / "hf-run", log=lambda _line: None)
+
+
+@pytest.fixture(scope="module")
+def launch(setup: Setup) -> Callable[[int, int], Launched]:
+    """`torchrun --nproc-per-node 4 -m mopd.cli train` at a layout, once per layout per module."""
+    done: dict[tuple[int, int], Launched] = {}
+
+    def run(tp: int, pp: int) -> Launched:
+        if (tp, pp) not in done:
+            name = f"tp{tp}pp{pp}"
+            config = setup.config(name, backend="megatron", parallel={"tp": tp, "pp": pp})
+            output = setup.root / f"{name}-run"
+            extra = ["--export-hf", str(setup.root / f"{name}-hf")] if (tp, pp) == (2, 2) else []
+            log = run_torchrun(["train", str(config), "--output", str(output), *extra], nproc=4)
+            done[(tp, pp)] = Launched(output, log)
+        return done[(tp, pp)]
+
+    return run
+
+
+def split(records: list[dict]) -> tuple[list[dict], list[dict]]:
+    train = [r for r in records if r.get("split", "train") == "train"]
+    return train, [r for r in records if r.get("split") == "eval"]
+
+
+def heads_by_rank(log: str) -> list[float]:
+    line = re.search(r"teacher heads held by rank: (.*)", log)
+    assert line is not None, log[-2000:]
+    return [float(size) for size in re.findall(r"\d+: ([\d.]+) MiB", line.group(1))]
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 2), (2, 1), (1, 2)])
+def test_layouts_match_single_process_hf(
+    setup: Setup, single: TrainResult, launch: Callable[[int, int], Launched], tp: int, pp: int
+) -> None:
+    """5 steps (several microbatches per replica, held-out eval at steps 0 and 5) equal the hf run
+    within 1e-5; teacher heads are held by the last stage's ranks only, each its vocabulary slice."""
+    run = launch(tp, pp)
+    assert run.log.count("step 5/5") == 1  # rank 0 alone logs
+    got_train, got_eval = split(read_metrics(run.output / METRICS_FILE))
+    want_train, want_eval = split(single.records)
+    assert [r["step"] for r in got_train] == [1, 2, 3, 4, 5]
+    for key in COMPARED:
+        np.testing.assert_allclose(
+            [r[key] for r in got_train], [r[key] for r in want_train], rtol=1e-5, atol=1e-7, err_msg=key
+        )
+    assert [r["trained_tokens"] for r in got_train] == [r["trained_tokens"] for r in want_train]
+    assert [r["step"] for r in got_eval] == [0, 5]
+    np.testing.assert_allclose(
+        [r["divergence"] for r in got_eval], [r["divergence"] for r in want_eval], rtol=1e-5
+    )
+
+    from transformers import AutoConfig
+
+    from mopd.mcore.convert import GPTShape
+
+    padded = GPTShape.from_hf_config(AutoConfig.from_pretrained(setup.student)).padded_vocab_size(tp)
+    slice_mib = 2 * (padded // tp) * 64 * 4 / 2**20  # two fp32 teacher heads of hidden 64, one slice
+    last_stage = [rank >= 4 - 4 // pp for rank in range(4)]  # megatron-core puts pp outermost
+    held = heads_by_rank(run.log)
+    assert held == pytest.approx([slice_mib if last else 0.0 for last in last_stage], abs=0.006)
+
+
+def test_resume_under_tp2_pp2_matches_uninterrupted(
+    setup: Setup, launch: Callable[[int, int], Launched]
+) -> None:
+    """From the step-3 checkpoint, steps 4 and 5 and the final weights equal the uninterrupted run's."""
+    whole = launch(2, 2)
+    resumed = setup.root / "tp2pp2-resumed"
+    shutil.copytree(whole.output / "checkpoints" / "step_00000003", resumed / "checkpoints" / "step_00000003")
+    config = setup.config("tp2pp2", backend="megatron", parallel={"tp": 2, "pp": 2})
+    log = run_torchrun(["train", str(config), "--output", str(resumed), "--resume"], nproc=4)
+    assert "(step 3)" in log  # resumed from the copied checkpoint
+    got = {r["step"]: r for r in split(read_metrics(resumed / METRICS_FILE))[0]}
+    want = {r["step"]: r for r in split(read_metrics(whole.output / METRICS_FILE))[0]}
+    assert sorted(got) == [4, 5]
+    for step in (4, 5):
+        for key in COMPARED:
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-6, abs=1e-9), (step, key)
+    final = "checkpoints/step_00000005/model"
+    for shard in sorted((whole.output / final).glob("tp*-pp*.safetensors")):
+        a, b = load_file(str(shard)), load_file(str(resumed / final / shard.name))
+        assert sorted(a) == sorted(b)
+        for name in a:
+            assert (a[name] - b[name]).abs().max() <= 1e-6, (shard.name, name)
+
+
+def _check_exported(
+    rank: int, world: int, student: str, checkpoint: str, tokens: torch.Tensor, refusals: list[str]
+) -> dict:
+    """TP2×PP2: the checkpoint's logits; then the trainer's refusals, each as the error it raised."""
+    from megatron.core import parallel_state
+
+    from mopd.mcore.parallel import ModelParallelGroup
+    from mopd.store.config import ParallelConfig
+    from mopd.store.errors import MopdError
+    from mopd.train.megatron_student import MegatronStudent
+    from mopd.train.trainer import Trainer
+
+    group = ModelParallelGroup.start(ParallelConfig(tp=2, pp=2), "cpu", what="train.parallel")
+    try:
+        model = MegatronStudent(student, group=group, dtype=torch.float32)
+        model.load_weights(Path(checkpoint) / "model")
+        model.train(False)
+
+        def logits(hidden: torch.Tensor, head: torch.Tensor, mb: object) -> tuple[torch.Tensor, torch.Tensor]:
+            local = hidden @ head.T
+            parts = [torch.empty_like(local) for _ in range(2)]
+            dist.all_gather(parts, local, group=parallel_state.get_tensor_model_parallel_group())
+            return local.sum() * 0, torch.cat(parts, 1)[:, : model.vocab_size]
+
+        @dataclass
+        class Rows:
+            input_ids: torch.Tensor
+            loss_mask: torch.Tensor
+
+        with torch.no_grad():
+            out = model.forward_backward(
+                [Rows(tokens, torch.ones_like(tokens, dtype=torch.bool))], logits, forward_only=True
+            )
+    finally:
+        group.close()
+    errors = []
+    for config in refusals:
+        try:
+            Trainer(load_config(Path(config)), output=Path(config).parent / "run").run(resume=True)
+            errors.append("")
+        except MopdError as err:
+            errors.append(f"{type(err).__name__}: {err}")
+    return {"logits": out[0] if model.reports else None, "errors": errors}
+
+
+def test_export_and_refusals(setup: Setup, launch: Callable[[int, int], Launched]) -> None:
+    """The exported HF student reloads with the trained TP2×PP2 model's logits within 1e-5; resuming that
+    run at another layout or against a store of other teachers is refused, naming what differs."""
+    run = launch(2, 2)
+    exported = AutoModelForCausalLM.from_pretrained(setup.root / "tp2pp2-hf", dtype=torch.float32)
+    tokens = torch.randint(0, exported.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = exported(input_ids=tokens).logits.reshape(-1, exported.config.vocab_size)
+
+    refusals = []
+    for name, store, parallel in (
+        ("other-layout", setup.world.store, {"tp": 2, "pp": 1}),
+        ("other-teachers", setup.world.math_teacher_store, {"tp": 2, "pp": 2}),
+    ):
+        config = setup.config(name, store=store, backend="megatron", parallel=parallel)
+        shutil.copytree(run.output / "checkpoints", config.parent / "run" / "checkpoints")
+        refusals.append(str(config))
+    results = run_distributed(
+        _check_exported,
+        world_size=4,
+        args=(str(setup.student), str(run.output / "checkpoints" / "step_00000005"), tokens, refusals),
+        timeout=300,
+    )
+    got = next(r["logits"] for r in results if r["logits"] is not None)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    layout, teachers = results[0]["errors"]
+    assert layout.startswith("ConfigError") and "megatron tp=2 × pp=2" in layout and "tp=2 × pp=1" in layout
+    assert teachers.startswith("ManifestError") and "teacher list differs" in teachers

@@ -1,0 +1,92 @@
+"""`mopd export-hf`: a training checkpoint's student as a transformers checkpoint.
+
+An hf-backend checkpoint already holds one (`model/`), which is copied. A megatron-backend checkpoint
+holds one weights file per tensor-parallel slice and pipeline stage in Megatron's names; they are joined
+by mopd's weight conversion (`mopd.mcore.convert.megatron_to_hf`, bit-exact, vocabulary padding
+dropped) into the student's own architecture. Needs no process group and no megatron-core.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from mopd.store.errors import ConfigError, MopdError
+from mopd.store.fsio import publish_dir, unique_temp_name
+from mopd.train.checkpoint import COMPLETE, complete_checkpoints, read_state
+from mopd.train.student import copy_tokenizer
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """`path` itself when it is a complete checkpoint, else the latest complete one of a run folder."""
+    if (path / COMPLETE).exists():
+        return path
+    found = complete_checkpoints(path / "checkpoints") or complete_checkpoints(path)
+    if not found:
+        raise ConfigError(f"{path} is neither a complete checkpoint nor a run folder holding one")
+    return found[-1]
+
+
+def _join_megatron_shards(model_dir: Path, tp: int, pp: int, folder: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mopd.mcore.convert import GPTShape, megatron_to_hf
+    from mopd.train.megatron_student import shard_name
+
+    config = AutoConfig.from_pretrained(model_dir)
+    shape = GPTShape.from_hf_config(config)
+    missing = [
+        shard_name(t, p)
+        for p in range(pp)
+        for t in range(tp)
+        if not (model_dir / f"{shard_name(t, p)}.safetensors").exists()
+    ]
+    if missing:
+        raise ConfigError(f"{model_dir}: shards {', '.join(missing)} of tp={tp} × pp={pp} are missing")
+    stages = [
+        [load_file(str(model_dir / f"{shard_name(t, p)}.safetensors")) for t in range(tp)] for p in range(pp)
+    ]
+    state = megatron_to_hf(stages, shape, layers_per_stage=[shape.num_layers // pp] * pp)
+    dtype = next(iter(state.values())).dtype
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    missing_keys, unexpected = model.load_state_dict(state, strict=False)
+    untied = [k for k in missing_keys if not (shape.tied and k == "lm_head.weight")]
+    if untied or unexpected:
+        raise MopdError(
+            f"{model_dir}: joined weights do not fit {config.model_type} ({untied[:3]}, {unexpected[:3]})"
+        )
+    if shape.tied:
+        model.tie_weights()
+    model.save_pretrained(folder)
+    copy_tokenizer(model_dir, folder)
+
+
+def export_hf(checkpoint: Path, output: Path) -> Path:
+    """Writes the student of `checkpoint` (or of a run folder's latest checkpoint) to `output`, a new
+    folder that transformers' `from_pretrained` loads. Returns the checkpoint exported.
+
+    Raises:
+        ConfigError: no complete checkpoint there, `output` exists, or shards are missing.
+    """
+    checkpoint = resolve_checkpoint(Path(checkpoint))
+    output = Path(output)
+    if output.exists() and any(output.iterdir()):
+        raise ConfigError(f"export: {output} already exists and is not empty; choose a new folder")
+    layout = read_state(checkpoint)["layout"]
+    temp = unique_temp_name(output)
+    temp.mkdir(parents=True)
+    try:
+        if layout["backend"] == "megatron":
+            _join_megatron_shards(checkpoint / "model", int(layout["tp"]), int(layout["pp"]), temp)
+        else:
+            shutil.copytree(checkpoint / "model", temp, dirs_exist_ok=True)
+        if output.exists():
+            output.rmdir()  # empty (checked above)
+        if not publish_dir(temp, output):
+            raise MopdError(f"export: {output} was created by someone else meanwhile")
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return checkpoint
