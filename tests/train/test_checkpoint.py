@@ -6,9 +6,13 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+import torch
 from click.testing import CliRunner
+from transformers import AutoModelForCausalLM
 
 from mopd.cli.main import cli
+from mopd.store.errors import ConfigError
 from mopd.store.teachers import TEACHER_LIST_FILE
 from mopd.train.checkpoint import COMPLETE, complete_checkpoints
 from mopd.train.trainer import run_training
@@ -76,3 +80,41 @@ def test_train_command(world: World, tmp_path: Path) -> None:
     )
     assert again.exit_code == 1 and "already holds checkpoints" in again.output
     assert "Traceback" not in again.output
+
+
+def test_export_hf_writes_the_trained_student(world: World, tmp_path: Path) -> None:
+    """`mopd train --export-hf` and `mopd export-hf RUN` write the last checkpoint's student, which
+    reloads with the trained weights; an existing folder and a folder without checkpoints are refused."""
+    config = world_config(world, tmp_path, steps=2)
+    result = run_training(config, export=tmp_path / "exported", log=lambda _line: None)
+    assert result.checkpoint is not None
+    again = CliRunner().invoke(cli, ["export-hf", str(tmp_path / "run"), str(tmp_path / "again")])
+    assert again.exit_code == 0, again.output
+    trained = AutoModelForCausalLM.from_pretrained(result.checkpoint / "model", dtype=torch.float32)
+    tokens = torch.arange(40).reshape(2, 20) % trained.config.vocab_size
+    with torch.no_grad():
+        want = trained(input_ids=tokens).logits
+    for folder in ("exported", "again"):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / folder, dtype=torch.float32)
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=tokens).logits, want)
+        assert (tmp_path / folder / "tokenizer.json").exists()
+    original = AutoModelForCausalLM.from_pretrained(world.student, dtype=torch.float32)
+    with torch.no_grad():
+        assert not torch.equal(original(input_ids=tokens).logits, want)  # training changed the student
+    taken = CliRunner().invoke(cli, ["export-hf", str(tmp_path / "run"), str(tmp_path / "again")])
+    assert taken.exit_code == 1 and "already exists and is not empty" in taken.output
+    empty = CliRunner().invoke(cli, ["export-hf", str(tmp_path), str(tmp_path / "none")])
+    assert empty.exit_code == 1 and "neither a complete checkpoint nor a run folder" in empty.output
+
+
+def test_a_checkpoint_of_another_backend_is_refused(world: World, tmp_path: Path) -> None:
+    """An hf checkpoint is not resumed by a megatron student (one process, tp = pp = 1): the layout in
+    state.json is checked, and the message names both layouts."""
+    run_training(world_config(world, tmp_path, steps=2), max_steps=1, log=lambda _line: None)
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_00000001" / "state.json").read_text())
+    assert state["layout"] == {"backend": "hf"}
+    megatron = world_config(world, tmp_path, steps=2, backend="megatron", device="cpu")
+    with pytest.raises(ConfigError, match=r"written by a hf student, this run is megatron tp=1 × pp=1"):
+        run_training(megatron, log=lambda _line: None)
+    assert not torch.distributed.is_initialized()  # the one-rank group it made is gone
