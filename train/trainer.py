@@ -256,6 +256,14 @@ class Trainer:
         self.store: TeacherStore = open_store(store_path or config.store.path)
         manifest = self.store.manifest
         self.student = self._load_student(tc)
+        try:
+            self._prepare(tc, manifest)
+        except BaseException:
+            self.student.close()  # a megatron student leaves its parallel state
+            raise
+
+    def _prepare(self, tc: TrainConfig, manifest: Manifest) -> None:
+        """Everything after the student: heads, objective, loader, optimiser."""
         self.replicas = self.student.data_parallel()
         self.student.check_compatible(manifest)
         self.vocab_size = manifest.teachers[0].vocab_size

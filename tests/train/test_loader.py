@@ -46,6 +46,20 @@ def test_a_microbatch_holds_its_rows_padded_to_its_own_longest(world: World) -> 
     assert mb.token_teacher.tolist() == [store.row(int(rows[b])).teacher_index for b in mb.token_row.tolist()]
 
 
+def test_a_stage_without_the_loss_reads_no_teacher_states(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pipeline stage before the last gets the same tokens and masks and never reads hidden states."""
+    store = open_store(world.store)
+    rows = np.array([5, 2, 9])
+    full = read_microbatch(store, rows)
+    monkeypatch.setattr(store, "hidden", lambda row: pytest.fail(f"read teacher states of row {row}"))
+    bare = read_microbatch(store, rows, teacher_hidden=False)
+    assert bare.teacher_hidden == {}
+    for name in ("input_ids", "attention_mask", "loss_mask", "token_teacher", "token_row", "labels"):
+        assert torch.equal(getattr(bare, name), getattr(full, name)), name
+
+
 def test_an_epoch_trains_every_row_once_across_ranks(world: World) -> None:
     store = open_store(world.store)
     seen: list[int] = []
