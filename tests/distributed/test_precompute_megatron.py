@@ -107,5 +107,7 @@ def test_two_model_parallel_groups_share_the_tasks(config: Path, tmp_path: Path)
     log = torchrun_precompute(config, store, nproc=4, tp=2, pp=1)
     computed = [int(n) for n in re.findall(r"computed (\d+) tasks", log)]
     assert len(computed) == 2 and sum(computed) == 7 and min(computed) > 0  # two writers, disjoint shares
-    assert log.count("manifest written") == 1
+    # Both groups may finish their last task at once and both finalize: the manifest is published
+    # no-clobber, so one wins and the other finds the identical manifest (each then reports it).
+    assert 1 <= log.count("manifest written") <= 2
     assert_fp32_equal(reference, open_store(store), "megatron")
