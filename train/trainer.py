@@ -24,9 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from mopd.store.config import DivergenceConfig, MopdConfig, TrainConfig
+from mopd.store.config import MopdConfig, TrainConfig
 from mopd.store.devices import resolve_device
 from mopd.store.errors import ConfigError, ManifestError, MopdError
 from mopd.store.manifest import Manifest
@@ -35,11 +34,11 @@ from mopd.store.teachers import TeacherIdentity, diff_teacher_lists, read_teache
 from mopd.train.checkpoint import ResumePoint, complete_checkpoints, load_checkpoint, save_checkpoint
 from mopd.train.data_order import LoaderState, rank_microbatches
 from mopd.train.distributed import DataParallel
-from mopd.train.divergence import linear_cross_entropy, linear_divergence
 from mopd.train.export import export_hf
 from mopd.train.heads import TeacherHeads
 from mopd.train.loader import MicroBatch, Step, StoreLoader, read_microbatch
 from mopd.train.metrics import PLOT_FILE, MetricsLog, plot_metrics, step_line
+from mopd.train.objective import Objective, StepStats, teacher_weights
 from mopd.train.student import HFStudent, TrainStudent
 
 Log = Callable[[str], None]
@@ -67,29 +66,6 @@ def held_out_rows(num_rows: int, count: int, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng([seed, 1 << 20]).choice(num_rows, size=count, replace=False))
 
 
-def teacher_weights(manifest: Manifest, by_alias: dict[str, float]) -> dict[int, float]:
-    """Weight of each teacher index from `train.teacher_weights` (alias → weight, default 1).
-
-    Aliases are those the store recorded for each teacher; aliases of one teacher must agree.
-    """
-    known = {alias for teacher in manifest.teachers for alias in teacher.aliases}
-    for alias in sorted(set(by_alias) - known):
-        raise ConfigError(
-            f"train.teacher_weights.{alias}: the store has no teacher under this alias "
-            f"(its aliases: {', '.join(sorted(known))})"
-        )
-    weights = {}
-    for teacher in manifest.teachers:
-        given = {alias: by_alias.get(alias, 1.0) for alias in teacher.aliases}
-        if len(set(given.values())) > 1:
-            raise ConfigError(
-                f"train.teacher_weights: aliases {sorted(given)} share teacher {teacher.index} "
-                f"({teacher.checkpoint}) but have different weights {given}; give them one weight"
-            )
-        weights[teacher.index] = next(iter(given.values()), 1.0)
-    return weights
-
-
 def lr_factor(step: int, *, warmup: int, total: int) -> float:
     """Linear warmup over `warmup` steps, then cosine decay to 0 at `total` (`step` counts from 0)."""
     if step < warmup:
@@ -102,128 +78,6 @@ def _memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
-class _Objective:
-    """The loss of one microbatch: weighted divergence to each token's teacher (+ hard-label CE)."""
-
-    def __init__(
-        self,
-        cfg: DivergenceConfig,
-        heads: TeacherHeads,
-        weights: dict[int, float],
-        vocab_size: int,
-        student: TrainStudent,
-    ) -> None:
-        self.cfg, self.heads, self.vocab_size = cfg, heads, vocab_size
-        # this rank's vocabulary shard of the student's output layer and of every teacher head
-        self.shard = dict(tp_group=student.tp_group, vocab_start=student.vocab_start, vocab_size=vocab_size)
-        self.weight_of = torch.zeros(max(weights) + 1)
-        for t, w in weights.items():
-            self.weight_of[t] = w
-
-    def __call__(
-        self, hidden_NH: torch.Tensor, head: torch.Tensor, mb: MicroBatch, norm_N: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss with gradients, per-token divergence [N] before any weighting)."""
-        cfg = self.cfg
-        weights_N = norm_N * self.weight_of[mb.token_teacher].to(norm_N.device)
-        options = dict(
-            kind=cfg.kind,
-            beta=cfg.beta,
-            temperature=cfg.temperature,
-            chunk_size=cfg.chunk_size,
-            teacher_transforms=self.heads.transforms,
-            **self.shard,
-        )
-        if self.heads.all_on_device:
-            out = linear_divergence(
-                hidden_NH,
-                head,
-                mb.teacher_hidden,
-                self.heads.resident(),
-                mb.token_teacher,
-                weights=weights_N,
-                **options,
-            )
-            loss, per_token = out.loss, out.per_token
-        else:  # one teacher's head on the device at a time
-            loss = hidden_NH.new_zeros(())
-            per_token = torch.zeros(hidden_NH.shape[0], device=hidden_NH.device)
-            for t in sorted(mb.teacher_hidden):
-                sel = (mb.token_teacher == t).nonzero()[:, 0].to(hidden_NH.device)
-                with self.heads.use(t) as teacher_head:
-                    out = linear_divergence(
-                        hidden_NH[sel],
-                        head,
-                        mb.teacher_hidden[t],
-                        {t: teacher_head},
-                        None,
-                        weights=weights_N[sel],
-                        **options,
-                    )
-                loss = loss + out.loss
-                per_token[sel] = out.per_token
-        if cfg.ce_weight > 0:
-            ce = linear_cross_entropy(
-                hidden_NH,
-                head,
-                mb.labels,
-                weights=norm_N,
-                chunk_size=cfg.chunk_size,
-                **self.shard,
-            )
-            loss = loss + cfg.ce_weight * ce.loss
-        return loss, per_token
-
-
-class _StepStats:
-    """Sums over trained tokens, per teacher, reduced over the data-parallel ranks."""
-
-    def __init__(self, num_teachers: int) -> None:
-        self.local_nonfinite = 0.0  # this rank's own count, kept through `reduce`
-        self.sums = torch.zeros(num_teachers, dtype=torch.float64)
-        self.counts = torch.zeros(num_teachers, dtype=torch.float64)
-        self.extremes = torch.tensor([math.inf, math.inf], dtype=torch.float64)  # min, −max: both minimised
-        self.nonfinite = torch.zeros(num_teachers, dtype=torch.float64)
-        self.loss = torch.zeros((), dtype=torch.float64)
-
-    def add(self, per_token: torch.Tensor, teacher: torch.Tensor, loss: torch.Tensor) -> None:
-        values = per_token.detach().double().cpu()
-        finite = torch.isfinite(values)
-        self.nonfinite.index_add_(0, teacher[~finite], torch.ones(int((~finite).sum()), dtype=torch.float64))
-        self.sums.index_add_(0, teacher, values)
-        self.counts.index_add_(0, teacher, torch.ones_like(values))
-        if values.numel():
-            self.extremes = torch.minimum(self.extremes, torch.stack([values.min(), -values.max()]))
-        self.loss += loss.detach().double().cpu()
-
-    def reduce(self, dp: DataParallel) -> None:
-        """Sums over the ranks of `dp` (ranks that report nothing add zeros)."""
-        self.local_nonfinite = float(self.nonfinite.sum())
-        packed = dp.all_reduce(torch.cat([self.sums, self.counts, self.nonfinite, self.loss[None]]))
-        k = self.sums.shape[0]
-        self.sums, self.counts, self.nonfinite, self.loss = (
-            packed[:k],
-            packed[k : 2 * k],
-            packed[2 * k : 3 * k],
-            packed[-1],
-        )
-        self.extremes = dp.all_reduce(self.extremes, dist.ReduceOp.MIN)
-
-    def record(self) -> dict:
-        present = self.counts > 0
-        total = float(self.counts.sum())
-        return {
-            "loss": float(self.loss),
-            "divergence": float(self.sums.sum()) / total if total else 0.0,
-            "divergence_by_teacher": {
-                str(t): float(self.sums[t] / self.counts[t]) for t in present.nonzero()[:, 0].tolist()
-            },
-            "divergence_min": float(self.extremes[0]) if total else 0.0,
-            "divergence_max": float(-self.extremes[1]) if total else 0.0,
-            "trained_tokens": int(total),
-        }
 
 
 class Trainer:
@@ -277,7 +131,7 @@ class Trainer:
             vocab_stop=self.student.vocab_stop,
         )
         self.heads_by_rank = self._account_heads()
-        self.objective = _Objective(
+        self.objective = Objective(
             tc.divergence,
             self.heads,
             teacher_weights(manifest, tc.teacher_weights),
@@ -385,7 +239,7 @@ class Trainer:
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         denominator, tokens = self._global_denominator(batch.microbatches)
-        stats = _StepStats(self.num_teachers)
+        stats = StepStats(self.num_teachers)
 
         def loss_fn(hidden: torch.Tensor, head: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, None]:
             mb = mb.to(self.device)
@@ -414,7 +268,7 @@ class Trainer:
             "memory_gib": _memory_gib(self.device),
         }
 
-    def _refuse_nonfinite(self, step: int, stats: _StepStats, grad_norm: float) -> None:
+    def _refuse_nonfinite(self, step: int, stats: StepStats, grad_norm: float) -> None:
         flags = torch.zeros(self.world.size, dtype=torch.float64)
         flags[self.world.rank] = stats.local_nonfinite
         ranks = self.world.all_reduce(flags).nonzero()[:, 0].tolist()
@@ -440,7 +294,7 @@ class Trainer:
     def evaluate(self, step: int) -> dict:
         """Mean divergence per trained token of the held-out rows, by teacher (no weighting, no CE)."""
         self.student.train(False)
-        stats = _StepStats(self.num_teachers)
+        stats = StepStats(self.num_teachers)
 
         def loss_fn(hidden: torch.Tensor, head: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, None]:
             mb = mb.to(self.device)
