@@ -239,6 +239,13 @@ def run_precompute(
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # mopd never downloads at run time
     backend = backend or config.precompute.backend
+    parallel = config.precompute.parallel
+    if backend != "megatron" and parallel.tp * parallel.pp > 1:
+        raise ConfigError(
+            f"precompute.parallel tp={parallel.tp} × pp={parallel.pp} needs the megatron backend (under "
+            f"torchrun); the {backend} backend runs each teacher whole in one process: set tp = pp = 1 or "
+            "use --backend megatron"
+        )
     store = Path(store_path or config.store.path)
     teachers = resolve_teachers(config)
     tokenizer = load_tokenizer(teachers.tokenizer_path, trust_remote_code=config.precompute.trust_remote_code)

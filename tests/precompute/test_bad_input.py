@@ -46,6 +46,12 @@ def test_unknown_agent_without_default(tmp_path: Path, teachers: dict[str, Path]
     assert_refused(write_config(tmp_path, teachers, data=data), "row 1: agent 'poetry' has no teacher")
 
 
+def test_teacher_parallelism_needs_the_megatron_backend(tmp_path: Path, teachers: dict[str, Path]) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", [{"agent": "math", "text": "a"}])
+    config = write_config(tmp_path, teachers, data=data, precompute={"parallel": {"tp": 2}})
+    assert_refused(config, "precompute.parallel tp=2 × pp=1 needs the megatron backend")
+
+
 def test_missing_routing_column(tmp_path: Path, teachers: dict[str, Path]) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "a"}])
     assert_refused(write_config(tmp_path, teachers, data=data), "dataset has no routing column 'agent'")
