@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import re
 import subprocess
 import sys
 import tempfile
@@ -98,7 +99,8 @@ def run_torchrun(mopd_args: list[str], *, nproc: int, timeout: float = 300.0) ->
     stderr (where mopd logs).
 
     Raises:
-        AssertionError: the launch failed (with the end of its output).
+        AssertionError: the launch failed (with the first traceback, usually the failing rank's own,
+            and the end of the output).
     """
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     done = subprocess.run(
@@ -108,5 +110,20 @@ def run_torchrun(mopd_args: list[str], *, nproc: int, timeout: float = 300.0) ->
         text=True,
         timeout=timeout,
     )
-    assert done.returncode == 0, done.stderr[-4000:]
+    if done.returncode != 0:
+        raise AssertionError(
+            f"torchrun exited {done.returncode}\n{first_failure(done.stderr)}\n...\n{done.stderr[-2000:]}"
+        )
     return done.stderr
+
+
+def first_failure(log: str) -> str:
+    """The end of the first traceback in a torchrun log, through its exception line: usually the rank
+    that failed first, the others failing after it with lost connections."""
+    start = log.find("Traceback")
+    if start < 0:
+        return ""
+    raised = re.compile(r"^(\[rank\d+\]: )?[\w.]+(Error|Exception|Exit)\b.*$", re.MULTILINE)
+    end = raised.search(log, start)
+    stop = end.end() if end else len(log)
+    return log[max(start, stop - 3000) : stop]
