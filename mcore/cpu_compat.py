@@ -44,7 +44,10 @@ class _CudaToCpu(TorchFunctionMode):
 def cpu_megatron() -> Iterator[None]:
     """Runs megatron-core code that asks for CUDA devices on the CPU."""
     saved = torch.cuda.current_device, torch.cuda.synchronize
-    torch.cuda.current_device = lambda: 0
+    # The CPU device itself, not an index: megatron-core passes it as `device=`, also inside autograd
+    # backward functions, which run without the mode below (a mode is off while it handles a call, here
+    # the schedule's `torch.autograd.backward`).
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     torch.cuda.synchronize = lambda device=None: None  # CPU ops have finished when they return
     try:
         with _CudaToCpu():

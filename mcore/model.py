@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,9 @@ from mopd.mcore.parallel import ModelParallelGroup
 from mopd.store.errors import ConfigError
 
 
-def transformer_config(shape: GPTShape, *, tp: int, pp: int, dtype: torch.dtype) -> Any:
+def transformer_config(
+    shape: GPTShape, *, tp: int, pp: int, dtype: torch.dtype, sequence_parallel: bool = False
+) -> Any:
     """The TransformerConfig that computes what the HF model computes (no dropout, no fused kernels)."""
     from megatron.core.transformer import TransformerConfig
 
@@ -36,6 +39,7 @@ def transformer_config(shape: GPTShape, *, tp: int, pp: int, dtype: torch.dtype)
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -55,16 +59,48 @@ def transformer_config(shape: GPTShape, *, tp: int, pp: int, dtype: torch.dtype)
     return config
 
 
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm, built as megatron-core builds its norms, for the local layer spec.
+
+    Unlike megatron-core's own torch wrapper, it allows sequence parallelism. There each tensor-parallel
+    rank normalises only its share of the sequence, so the weight's gradient on a rank is partial: the
+    weight is marked `sequence_parallel`, and the student sums those gradients over the tensor-parallel
+    ranks (`MegatronStudent.finish_gradients`).
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+
+def block_spec(num_layers: int) -> Any:
+    """One pipeline stage's decoder: `num_layers` layers of megatron-core's local spec, norms `RMSNorm`."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    norms = dataclasses.replace(layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[dataclasses.replace(layer, submodules=norms)] * num_layers, layer_norm=RMSNorm
+    )
+
+
 def gpt_model(
-    shape: GPTShape, *, tp: int, pp: int, dtype: torch.dtype, pre_process: bool, post_process: bool
+    shape: GPTShape,
+    *,
+    tp: int,
+    pp: int,
+    dtype: torch.dtype,
+    pre_process: bool,
+    post_process: bool,
+    sequence_parallel: bool = False,
 ) -> Any:
     """This rank's GPTModel (its pipeline stage, its tensor-parallel shards), weights uninitialised."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return GPTModel(
-        transformer_config(shape, tp=tp, pp=pp, dtype=dtype),
-        get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_config(shape, tp=tp, pp=pp, dtype=dtype, sequence_parallel=sequence_parallel),
+        block_spec(shape.num_layers // pp),
         vocab_size=shape.padded_vocab_size(tp),
         max_sequence_length=shape.max_position_embeddings,
         pre_process=pre_process,
@@ -86,21 +122,49 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         )
 
 
+def computed_length(config: Any, length: int) -> int:
+    """The sequence length the stages compute: under sequence parallelism, padded to a multiple of tp
+    (at the end, where causal attention keeps the real tokens exact)."""
+    if not config.sequence_parallel:
+        return length
+    tp = config.tensor_model_parallel_size
+    return -(-length // tp) * tp
+
+
+def activation_shape(config: Any, *, batch: int, length: int) -> tuple[int, int, int]:
+    """[L, B, H] of what one pipeline stage sends the next: the whole sequence, or under sequence
+    parallelism this rank's 1/tp share of it."""
+    computed = computed_length(config, length)
+    if config.sequence_parallel:
+        computed //= config.tensor_model_parallel_size
+    return computed, batch, config.hidden_size
+
+
 def stage_forward(model: Any, input_ids: torch.Tensor | None, *, batch: int, length: int) -> torch.Tensor:
     """[length, batch, H] this pipeline stage's output, the model's output layer bypassed.
 
-    The first stage embeds `input_ids`; later stages take their input from `model.set_input_tensor`.
-    On the last stage the result is the final norm's output: the input of the output layer, which mopd
-    applies itself (chunked, inside the divergence kernels or when writing the store).
+    The first stage embeds `input_ids`; later stages take their input from `model.set_input_tensor`
+    (shaped as `activation_shape` says). On the last stage the result is the final norm's output: the
+    input of the output layer, which mopd applies itself (chunked, inside the divergence kernels or when
+    writing the store). Under sequence parallelism the last stage gathers the ranks' shares of the
+    sequence and drops the padding; the gather's backward keeps this rank's share of the gradient as it
+    is, since the vocabulary-parallel divergence kernels already sum it over the tensor-parallel ranks.
     """
+    computed = computed_length(model.config, length)
     decoder_input = None
     if model.pre_process:
         assert input_ids is not None
-        positions = torch.arange(length, device=input_ids.device)[None].expand(batch, length)
-        decoder_input = model.embedding(input_ids=input_ids, position_ids=positions)
-    return model.decoder(
-        hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=model.rotary_pos_emb(length)
+        padded = F.pad(input_ids, (0, computed - length))
+        positions = torch.arange(computed, device=input_ids.device)[None].expand(batch, computed)
+        decoder_input = model.embedding(input_ids=padded, position_ids=positions)
+    output = model.decoder(
+        hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=model.rotary_pos_emb(computed)
     )
+    if model.post_process and model.config.sequence_parallel:
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        output = gather_from_sequence_parallel_region(output, tensor_parallel_output_grad=False)[:length]
+    return output
 
 
 class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
@@ -174,6 +238,7 @@ def load_stage(
             dtype=dtype,
             pre_process=group.is_first_stage,
             post_process=group.is_last_stage,
+            sequence_parallel=group.sequence_parallel,
         )
     load_state(model, state)
     return model.to(group.device), shape

@@ -28,6 +28,7 @@ class ModelParallelGroup:
     dp_rank: int
     dp_size: int
     lead_rank: int  # global rank of the last stage's first tensor-parallel rank
+    sequence_parallel: bool = False  # activations outside attention and MLP split over the TP ranks
     owns_process_group: bool = False  # `start` made the process group (a world of one, no torchrun)
 
     @property
@@ -89,6 +90,7 @@ class ModelParallelGroup:
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=parallel_state.get_data_parallel_world_size(),
             lead_rank=lead,
+            sequence_parallel=parallel.sequence_parallel,
             owns_process_group=owns,
         )
 

@@ -5,7 +5,8 @@ The world splits into model-parallel groups of tp × pp ranks (`precompute.paral
 job of the task split (as `--num-tasks/--task-index` jobs are) and loads each of its teachers once,
 converted from the HF checkpoint to this rank's shard (`mopd.mcore.convert`). Every rank of a group runs
 every batch; the last pipeline stage's output is the final norm's output (the output layer is never
-applied), and that stage's first tensor-parallel rank, the group's writer, writes the store. The other
+applied; under sequence parallelism, the ranks' shares of the sequence gathered), and that stage's first
+tensor-parallel rank, the group's writer, writes the store. The other
 ranks never touch it. The LM head, the logit transform and the capture check come from the checkpoint's
 transformers implementation cut to one block, on the writer only, as in the vllm backend.
 
@@ -63,17 +64,17 @@ class MegatronTeacher:
         """Every rank of the group runs each batch; the last stage returns each row's [L_i, H] states."""
         from megatron.core import parallel_state
 
-        from mopd.mcore.model import stage_forward
+        from mopd.mcore.model import activation_shape, stage_forward
 
         longest = max(len(r) for r in rows)
         input_ids = torch.zeros(len(rows), longest, dtype=torch.long)
         for b, row in enumerate(rows):  # right padding: causal attention keeps real tokens exact
             input_ids[b, : len(row)] = torch.from_numpy(np.asarray(row, dtype=np.int64))
         device = self.group.device
-        activations = (longest, len(rows), self.hidden_size)
         with torch.inference_mode(), megatron_device(device):
             if not self.group.is_first_stage:
-                incoming = torch.empty(activations, dtype=self.dtype, device=device)
+                shape = activation_shape(self.model.config, batch=len(rows), length=longest)
+                incoming = torch.empty(shape, dtype=self.dtype, device=device)
                 dist.recv(incoming, src=parallel_state.get_pipeline_model_parallel_prev_rank())
                 self.model.set_input_tensor(incoming)
             output = stage_forward(self.model, input_ids.to(device), batch=len(rows), length=longest)

@@ -45,6 +45,16 @@ class StoreConfig(_Section):
 class ParallelConfig(_Section):
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
+    # Split the sequence over the tensor-parallel ranks outside attention and MLP (megatron backend).
+    sequence_parallel: bool = False
+
+    @model_validator(mode="after")
+    def _sequence_parallel_needs_tp(self) -> ParallelConfig:
+        if self.sequence_parallel and self.tp < 2:
+            raise ValueError(
+                "sequence_parallel splits the sequence over the tensor-parallel ranks: it needs tp ≥ 2"
+            )
+        return self
 
 
 class PrecomputeConfig(_Section):

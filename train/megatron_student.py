@@ -130,15 +130,21 @@ class MegatronStudent:
         )
 
     def finish_gradients(self) -> None:
-        """Completes what the backward leaves partial: the two copies of a tied embedding (first and
-        last stage) sum their gradients, then every gradient is summed over the data-parallel replicas
-        (the loss is already normalised by the global token count)."""
+        """Completes what the backward leaves partial: under sequence parallelism the norms' weights,
+        each rank having seen its share of the sequence, sum their gradients over the tensor-parallel
+        ranks; the two copies of a tied embedding (first and last stage) sum theirs; then every
+        gradient is summed over the data-parallel replicas (the loss is already normalised by the
+        global token count)."""
         from megatron.core import parallel_state
 
         params = self.parameters()
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if self.group.sequence_parallel:
+            shares = [p for p in params if getattr(p, "sequence_parallel", False)]
+            tp_ranks = DataParallel(self.group.tp_rank, self.group.tp, group=self.tp_group)
+            tp_ranks.sum_gradients(shares)  # the same bucketed sum, over the tensor-parallel ranks
         if self.shape.tied and self.group.pp > 1 and parallel_state.is_rank_in_embedding_group():
             weight = self.model.shared_embedding_or_output_weight()
             dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())

@@ -44,9 +44,11 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def torchrun_precompute(config: Path, store: Path, *, nproc: int, tp: int, pp: int) -> str:
+def torchrun_precompute(
+    config: Path, store: Path, *, nproc: int, tp: int, pp: int, sequence_parallel: bool = False
+) -> str:
     raw = yaml.safe_load(config.read_text())
-    raw["precompute"]["parallel"] = {"tp": tp, "pp": pp}
+    raw["precompute"]["parallel"] = {"tp": tp, "pp": pp, "sequence_parallel": sequence_parallel}
     variant = store.with_suffix(".yaml")
     variant.write_text(yaml.safe_dump(raw))
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
@@ -101,10 +103,11 @@ def test_world_not_divisible_by_the_teacher_layout(config: Path, tmp_path: Path)
 
 
 def test_two_model_parallel_groups_share_the_tasks(config: Path, tmp_path: Path) -> None:
-    """4 ranks at TP=2: two groups, each one job of the task split; together they write the hf store."""
+    """4 ranks at TP=2 with sequence parallelism (rows of odd and even lengths): two groups, each one
+    job of the task split; together they write the hf store."""
     reference = build(config, "hf", "float32")
     store = tmp_path / "dp2.zarr"
-    log = torchrun_precompute(config, store, nproc=4, tp=2, pp=1)
+    log = torchrun_precompute(config, store, nproc=4, tp=2, pp=1, sequence_parallel=True)
     computed = [int(n) for n in re.findall(r"computed (\d+) tasks", log)]
     assert len(computed) == 2 and sum(computed) == 7 and min(computed) > 0  # two writers, disjoint shares
     # Both groups may finish their last task at once and both finalize: the manifest is published

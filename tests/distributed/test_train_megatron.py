@@ -1,7 +1,7 @@
 """`mopd train` on the megatron backend under the real launcher: `torchrun --nproc-per-node 4` at
-TP2×PP2, TP2×DP2 and PP2×DP2 gives the single-process hf run's 5 steps; only the last pipeline stage
-holds teacher heads; a TP2×PP2 run resumes exactly, refuses another layout or teacher list, and exports
-an HF student with the trained model's logits."""
+TP2×PP2 (with sequence parallelism), TP2×DP2 and PP2×DP2 gives the single-process hf run's 5 steps; only
+the last pipeline stage holds teacher heads; a TP2×PP2 run resumes exactly, refuses another layout or
+teacher list, and exports an HF student with the trained model's logits."""
 
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ TRAIN = dict(
     eval={"rows": 8, "every": 0},
     checkpoint={"every": 3, "keep": 5},
 )
+
+
+def parallel(tp: int, pp: int) -> dict:
+    """`train.parallel` of a layout; TP2×PP2 also splits the sequence over its TP ranks."""
+    return {"tp": tp, "pp": pp, "sequence_parallel": (tp, pp) == (2, 2)}
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,7 @@ def launch(setup: Setup) -> Callable[[int, int], Launched]:
     def run(tp: int, pp: int) -> Launched:
         if (tp, pp) not in done:
             name = f"tp{tp}pp{pp}"
-            config = setup.config(name, backend="megatron", parallel={"tp": tp, "pp": pp})
+            config = setup.config(name, backend="megatron", parallel=parallel(tp, pp))
             output = setup.root / f"{name}-run"
             extra = ["--export-hf", str(setup.root / f"{name}-hf")] if (tp, pp) == (2, 2) else []
             log = run_torchrun(["train", str(config), "--output", str(output), *extra], nproc=4)
@@ -145,11 +150,12 @@ def test_layouts_match_single_process_hf(
 def test_resume_under_tp2_pp2_matches_uninterrupted(
     setup: Setup, launch: Callable[[int, int], Launched]
 ) -> None:
-    """From the step-3 checkpoint, steps 4 and 5 and the final weights equal the uninterrupted run's."""
+    """From the step-3 checkpoint, steps 4 and 5 and the final weights equal the uninterrupted run's;
+    sequence parallelism, on in that run, is off here (it does not change how weights are laid out)."""
     whole = launch(2, 2)
     resumed = setup.root / "tp2pp2-resumed"
     shutil.copytree(whole.output / "checkpoints" / "step_00000003", resumed / "checkpoints" / "step_00000003")
-    config = setup.config("tp2pp2", backend="megatron", parallel={"tp": 2, "pp": 2})
+    config = setup.config("tp2pp2-no-sp", backend="megatron", parallel={"tp": 2, "pp": 2})
     log = run_torchrun(["train", str(config), "--output", str(resumed), "--resume"], nproc=4)
     assert "(step 3)" in log  # resumed from the copied checkpoint
     got = {r["step"]: r for r in split(read_metrics(resumed / METRICS_FILE))[0]}
@@ -221,11 +227,11 @@ def test_export_and_refusals(setup: Setup, launch: Callable[[int, int], Launched
         want = exported(input_ids=tokens).logits.reshape(-1, exported.config.vocab_size)
 
     refusals = []
-    for name, store, parallel in (
-        ("other-layout", setup.world.store, {"tp": 2, "pp": 1}),
-        ("other-teachers", setup.world.math_teacher_store, {"tp": 2, "pp": 2}),
+    for name, store, layout in (
+        ("other-layout", setup.world.store, parallel(2, 1)),
+        ("other-teachers", setup.world.math_teacher_store, parallel(2, 2)),
     ):
-        config = setup.config(name, store=store, backend="megatron", parallel=parallel)
+        config = setup.config(name, store=store, backend="megatron", parallel=layout)
         shutil.copytree(run.output / "checkpoints", config.parent / "run" / "checkpoints")
         refusals.append(str(config))
     results = run_distributed(

@@ -81,9 +81,10 @@ def test_unsupported_models_are_refused() -> None:
 
 
 def megatron_forward(
-    rank: int, world: int, checkpoint: str, input_ids: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Worker: this TP rank's GPTModel from the converted checkpoint; (gathered logits, final hidden)."""
+    rank: int, world: int, checkpoint: str, input_ids: torch.Tensor, sequence_parallel: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Worker: this TP rank's GPTModel from the converted checkpoint; (gathered logits, final hidden,
+    final hidden of the rows without their last token: a length that tp does not divide)."""
     from megatron.core import parallel_state
 
     from mopd.mcore.cpu_compat import cpu_megatron, install_cpu_rng_tracker
@@ -94,15 +95,26 @@ def megatron_forward(
         install_cpu_rng_tracker()
         hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
         shape = GPTShape.from_hf_config(hf.config)
-        model = gpt_model(shape, tp=world, pp=1, dtype=torch.float32, pre_process=True, post_process=True)
+        model = gpt_model(
+            shape,
+            tp=world,
+            pp=1,
+            dtype=torch.float32,
+            pre_process=True,
+            post_process=True,
+            sequence_parallel=sequence_parallel,
+        )
         load_state(model, hf_to_megatron(hf.state_dict(), shape, tp_rank=rank, tp_size=world))
-        positions = torch.arange(input_ids.shape[1])[None].expand_as(input_ids)
+        batch, length = input_ids.shape
+        positions = torch.arange(length)[None].expand_as(input_ids)
         with torch.no_grad(), cpu_megatron():
             local = model.eval()(input_ids, positions, attention_mask=None)
-            hidden = stage_forward(model, input_ids, batch=input_ids.shape[0], length=input_ids.shape[1])
+            hidden = stage_forward(model, input_ids, batch=batch, length=length)
+            shorter = stage_forward(model, input_ids[:, :-1], batch=batch, length=length - 1)
         parts = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(parts, local.contiguous())
-        return torch.cat(parts, dim=-1)[..., : shape.vocab_size], hidden.transpose(0, 1)
+        logits = torch.cat(parts, dim=-1)[..., : shape.vocab_size]
+        return logits, hidden.transpose(0, 1), shorter.transpose(0, 1)
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -121,17 +133,27 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_forward_equals_hf_logits(checkpoints: dict[str, Path], arch: str, tp: int) -> None:
+@pytest.mark.parametrize(("tp", "sequence_parallel"), [(1, False), (2, False), (2, True)])
+def test_megatron_forward_equals_hf_logits(
+    checkpoints: dict[str, Path], arch: str, tp: int, sequence_parallel: bool
+) -> None:
+    """Megatron logits and final hidden states equal HF's within 1e-5, also with the sequence split
+    over the TP ranks (and padded where tp does not divide it)."""
     input_ids = torch.randint(0, len(make_tokenizer()), (2, 24), generator=torch.Generator().manual_seed(3))
     results = run_distributed(
-        megatron_forward, world_size=tp, args=(str(checkpoints[arch]), input_ids), timeout=120
+        megatron_forward,
+        world_size=tp,
+        args=(str(checkpoints[arch]), input_ids, sequence_parallel),
+        timeout=120,
     )
     model = AutoModelForCausalLM.from_pretrained(checkpoints[arch], dtype=torch.float32).eval()
     with torch.no_grad():
         expected = model(input_ids, output_hidden_states=True)
-    for logits, hidden in results:
+    final = expected.hidden_states[-1]  # after the final norm: the output layer's input
+    for logits, hidden, shorter in results:
         assert logits.shape == expected.logits.shape
         assert (logits - expected.logits).abs().max() <= 1e-5 * expected.logits.abs().max()
-        final = expected.hidden_states[-1]  # after the final norm: the output layer's input
+        assert hidden.shape == final.shape
         assert (hidden - final).abs().max() <= 1e-5 * final.abs().max()
+        assert shorter.shape == (2, 23, final.shape[-1])
+        assert (shorter - final[:, :-1]).abs().max() <= 1e-5 * final.abs().max()
