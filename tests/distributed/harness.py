@@ -94,9 +94,11 @@ def run_distributed(
     return [pickle.loads(outcome[r][1]) for r in range(world_size)]
 
 
-def run_torchrun(mopd_args: list[str], *, nproc: int, timeout: float = 300.0) -> str:
-    """`torchrun --standalone --nproc-per-node N -m mopd.cli ARGS` (one thread per rank); returns its
-    stderr (where mopd logs).
+def run_torchrun(
+    mopd_args: list[str], *, nproc: int, timeout: float = 300.0, env: dict[str, str] | None = None
+) -> str:
+    """`torchrun --standalone --nproc-per-node N -m mopd.cli ARGS` (one thread per rank, `env` added to
+    the environment); returns its stderr (where mopd logs).
 
     Raises:
         AssertionError: the launch failed (with the first traceback, usually the failing rank's own,
@@ -105,7 +107,7 @@ def run_torchrun(mopd_args: list[str], *, nproc: int, timeout: float = 300.0) ->
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     done = subprocess.run(
         [*launch, "-m", "mopd.cli", *mopd_args],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

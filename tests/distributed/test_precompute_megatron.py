@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import pytest
 import yaml
 
 from mopd.store import open_store
+from tests.distributed.harness import run_torchrun
 from tests.precompute.stores import assert_fp32_equal, build
 from tests.precompute.teachers import make_tokenizer, mixed_records, save_teacher, write_jsonl
 
@@ -51,27 +51,11 @@ def torchrun_precompute(
     raw["precompute"]["parallel"] = {"tp": tp, "pp": pp, "sequence_parallel": sequence_parallel}
     variant = store.with_suffix(".yaml")
     variant.write_text(yaml.safe_dump(raw))
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    done = subprocess.run(
-        [
-            *launch,
-            "-m",
-            "mopd.cli",
-            "precompute",
-            str(variant),
-            "--backend",
-            "megatron",
-            "--store",
-            str(store),
-        ],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"},
-        capture_output=True,
-        text=True,
-        timeout=300,
+    return run_torchrun(
+        ["precompute", str(variant), "--backend", "megatron", "--store", str(store)],
+        nproc=nproc,
+        env={"COLUMNS": "200"},  # progress and summary lines unwrapped
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stderr
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
