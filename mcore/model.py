@@ -134,10 +134,8 @@ def computed_length(config: Any, length: int) -> int:
 def activation_shape(config: Any, *, batch: int, length: int) -> tuple[int, int, int]:
     """[L, B, H] of what one pipeline stage sends the next: the whole sequence, or under sequence
     parallelism this rank's 1/tp share of it."""
-    computed = computed_length(config, length)
-    if config.sequence_parallel:
-        computed //= config.tensor_model_parallel_size
-    return computed, batch, config.hidden_size
+    shares = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    return computed_length(config, length) // shares, batch, config.hidden_size
 
 
 def stage_forward(model: Any, input_ids: torch.Tensor | None, *, batch: int, length: int) -> torch.Tensor:

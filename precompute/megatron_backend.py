@@ -6,9 +6,9 @@ job of the task split (as `--num-tasks/--task-index` jobs are) and loads each of
 converted from the HF checkpoint to this rank's shard (`mopd.mcore.convert`). Every rank of a group runs
 every batch; the last pipeline stage's output is the final norm's output (the output layer is never
 applied; under sequence parallelism, the ranks' shares of the sequence gathered), and that stage's first
-tensor-parallel rank, the group's writer, writes the store. The other
-ranks never touch it. The LM head, the logit transform and the capture check come from the checkpoint's
-transformers implementation cut to one block, on the writer only, as in the vllm backend.
+tensor-parallel rank, the group's writer, writes the store. The other ranks never touch it. The LM head,
+the logit transform and the capture check come from the checkpoint's transformers implementation cut to
+one block, on the writer only, as in the vllm backend.
 
 On a CPU (gloo), megatron-core runs through `mopd.mcore.cpu_compat`; on GPUs it runs as shipped (NCCL).
 """

@@ -47,24 +47,8 @@ class DataParallel:
 
     def sum_gradients(self, parameters: Sequence[torch.nn.Parameter]) -> None:
         """Sums every parameter's gradient over the ranks (a missing gradient counts as zeros)."""
-        if not self.enabled:
-            return
-        for p in parameters:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        buckets: list[list[torch.Tensor]] = [[]]
-        filled = 0
-        for p in parameters:
-            assert p.grad is not None
-            if filled >= _BUCKET_ELEMENTS:
-                buckets.append([])
-                filled = 0
-            buckets[-1].append(p.grad)
-            filled += p.grad.numel()
-        for grads in buckets:
-            flat = self.all_reduce(torch.cat([g.reshape(-1) for g in grads]))
-            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-                g.copy_(part.view_as(g))
+        if self.enabled:
+            sum_gradients(parameters, self.group)
 
     def all_gather_object(self, value: Any) -> list[Any]:
         """Every rank's `value`, in rank order (picklable objects only)."""
@@ -89,3 +73,27 @@ class DataParallel:
     def close(self) -> None:
         if self.owns_group:
             dist.destroy_process_group()
+
+
+def sum_gradients(parameters: Sequence[torch.nn.Parameter], group: Any) -> None:
+    """Sums the parameters' gradients over the ranks of `group` (a missing gradient counts as zeros),
+    in one flat all-reduce per bucket."""
+    for p in parameters:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    buckets: list[list[torch.Tensor]] = [[]]
+    filled = 0
+    for p in parameters:
+        assert p.grad is not None
+        if filled >= _BUCKET_ELEMENTS:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(p.grad)
+        filled += p.grad.numel()
+    for grads in buckets:
+        if not grads:
+            continue
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(part.view_as(g))

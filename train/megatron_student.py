@@ -22,7 +22,7 @@ from mopd.mcore.model import load_stage, load_state, stage_forward
 from mopd.mcore.parallel import ModelParallelGroup
 from mopd.store.errors import ConfigError
 from mopd.store.manifest import Manifest
-from mopd.train.distributed import DataParallel
+from mopd.train.distributed import DataParallel, sum_gradients
 from mopd.train.student import LossFn, check_vocabulary, copy_tokenizer
 
 
@@ -142,9 +142,7 @@ class MegatronStudent:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.group.sequence_parallel:
-            shares = [p for p in params if getattr(p, "sequence_parallel", False)]
-            tp_ranks = DataParallel(self.group.tp_rank, self.group.tp, group=self.tp_group)
-            tp_ranks.sum_gradients(shares)  # the same bucketed sum, over the tensor-parallel ranks
+            sum_gradients([p for p in params if getattr(p, "sequence_parallel", False)], self.tp_group)
         if self.shape.tied and self.group.pp > 1 and parallel_state.is_rank_in_embedding_group():
             weight = self.model.shared_embedding_or_output_weight()
             dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
