@@ -78,21 +78,17 @@ class DataParallel:
 def sum_gradients(parameters: Sequence[torch.nn.Parameter], group: Any) -> None:
     """Sums the parameters' gradients over the ranks of `group` (a missing gradient counts as zeros),
     in one flat all-reduce per bucket."""
+    buckets: list[list[torch.Tensor]] = []
+    filled = _BUCKET_ELEMENTS
     for p in parameters:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    buckets: list[list[torch.Tensor]] = [[]]
-    filled = 0
-    for p in parameters:
-        assert p.grad is not None
         if filled >= _BUCKET_ELEMENTS:
             buckets.append([])
             filled = 0
         buckets[-1].append(p.grad)
         filled += p.grad.numel()
     for grads in buckets:
-        if not grads:
-            continue
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
