@@ -97,8 +97,8 @@ def run_distributed(
 def run_torchrun(
     mopd_args: list[str], *, nproc: int, timeout: float = 300.0, env: dict[str, str] | None = None
 ) -> str:
-    """`torchrun --standalone --nproc-per-node N -m mopd.cli ARGS` (one thread per rank, `env` added to
-    the environment); returns its stderr (where mopd logs).
+    """`torchrun --standalone --nproc-per-node N -m mopd.cli ARGS` (one thread per rank unless
+    OMP_NUM_THREADS says otherwise, `env` added to the environment); returns its stderr (where mopd logs).
 
     Raises:
         AssertionError: the launch failed (with the first traceback, usually the failing rank's own,
@@ -107,7 +107,7 @@ def run_torchrun(
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     done = subprocess.run(
         [*launch, "-m", "mopd.cli", *mopd_args],
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from mopd.train.divergence import linear_cross_entropy, linear_divergence
 from tests.distributed.harness import run_distributed
-from tests.train.divergence_cases import Case, make_case
+from tests.tolerance import assert_close, perturbed, sum_rtol, value_atol
+from tests.train.divergence_cases import Case, logit_range, make_case
 
 pytestmark = pytest.mark.distributed
 VOCAB = 1000
@@ -23,7 +24,9 @@ def shard(head: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, int]
     return torch.cat([part, pad]), start
 
 
-def run_case(case: Case, kind: str, *, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
+def run_case(
+    case: Case, kind: str, *, rank: int = 0, world: int = 1, chunk_size: int = 6
+) -> dict[str, torch.Tensor]:
     hs = case.student_hidden.detach().clone().requires_grad_()
     ws_local, start = shard(case.student_head.detach(), rank, world)
     ws_local.requires_grad_()
@@ -37,7 +40,7 @@ def run_case(case: Case, kind: str, *, rank: int = 0, world: int = 1) -> dict[st
         kind=kind,
         temperature=0.7,
         weights=case.weights,
-        chunk_size=6,
+        chunk_size=chunk_size,
         teacher_transforms=case.transforms,
         tp_group=dist.group.WORLD if world > 1 else None,
         vocab_start=start,
@@ -57,10 +60,16 @@ def _worker(rank: int, world: int, kinds: list[str]) -> dict[str, dict[str, torc
     return {kind: run_case(case, kind, rank=rank, world=world) for kind in kinds}
 
 
-def assert_within_1e6(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """|got − want| ≤ 1e-6 + 1e-6 · |want| elementwise (fp32: sums taken in another order differ)."""
-    excess = (got - want).abs() - (1e-6 + 1e-6 * want.abs())
-    assert excess.max() <= 0, (what, float((got - want).abs().max()))
+def assert_tp_parity(got: torch.Tensor, want: torch.Tensor, what: str, *, case: Case) -> None:
+    """A tensor-parallel split sums the vocabulary's terms in another order (partial sums per rank,
+    then an all-reduce). Values and losses: one token's rounding, `value_atol` over the V = 1000 columns
+    (a loss is a convex combination of values). Gradients: a sum over the vocabulary of terms that are
+    themselves dot products (≤ 40 terms) and, for the head, over the N = 19 tokens, in any order: the
+    worst case of 40 + 1000 + 19 roundings per side, relative to the largest entry."""
+    if what.split()[-1] in ("loss", "per_token"):
+        assert_close(got, want, atol=value_atol(VOCAB, logit_range(case, 0.7)), what=what)
+    else:
+        assert_close(got, want, rtol=2 * sum_rtol(40 + VOCAB + 19), norm=True, what=what)
 
 
 KINDS_TP = ["reverse_kl", "forward_kl", "jsd", "cross_entropy", "entropy", "tvd"]
@@ -71,14 +80,14 @@ def test_tensor_parallel_equals_single_process(world: int) -> None:
     results = run_distributed(_worker, world_size=world, args=(KINDS_TP,), timeout=120)
     case = make_case(teachers=3, softcap=True, vocab=VOCAB, num_tokens=19, seed=11)
     for kind in KINDS_TP:
-        dense = run_case(case, kind)
+        dense = run_case(case, kind, chunk_size=5 if perturbed() else 6)
         for rank in range(world):
             got = results[rank][kind]
             for name in ("loss", "per_token", "grad_hidden"):  # the same on every rank
-                assert_within_1e6(got[name], dense[name], f"{kind} rank {rank} {name}")
+                assert_tp_parity(got[name], dense[name], f"{kind} rank {rank} {name}", case=case)
         head = torch.cat([results[r][kind]["grad_head"] for r in range(world)])
         assert head.shape == dense["grad_head"].shape
-        assert_within_1e6(head, dense["grad_head"], f"{kind} grad_head")
+        assert_tp_parity(head, dense["grad_head"], f"{kind} grad_head", case=case)
 
 
 def run_hard_ce(
@@ -122,7 +131,7 @@ def test_tensor_parallel_hard_label_ce_equals_torch() -> None:
     loss = (case.weights.double() * per_token).sum()
     loss.backward()
     for rank in range(2):
-        assert_within_1e6(results[rank]["per_token"].double(), per_token.detach(), f"rank {rank} per_token")
-        assert_within_1e6(results[rank]["loss"].double(), loss.detach(), f"rank {rank} loss")
-        assert_within_1e6(results[rank]["grad_hidden"].double(), hs.grad, f"rank {rank} grad_hidden")
+        assert_tp_parity(results[rank]["per_token"], per_token, f"rank {rank} per_token", case=case)
+        assert_tp_parity(results[rank]["loss"], loss, f"rank {rank} loss", case=case)
+        assert_tp_parity(results[rank]["grad_hidden"], hs.grad, f"rank {rank} grad_hidden", case=case)
     assert results[0]["per_token"][0] == 0.0

@@ -15,6 +15,7 @@ from mopd.mcore.convert import megatron_to_hf
 from mopd.train.divergence import linear_divergence
 from tests.distributed.harness import run_distributed
 from tests.precompute.teachers import make_tokenizer, save_teacher
+from tests.tolerance import assert_close, forward_rtol, perturbed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 TEACHER_HIDDEN = 48
@@ -56,7 +57,7 @@ def reference(checkpoint: Path, mbs: list[Micro], teacher_head: torch.Tensor) ->
             {0: teacher_head},
             None,
             weights=torch.full((hidden.shape[0],), 1.0 / total),
-            chunk_size=8,
+            chunk_size=5 if perturbed() else 8,  # perturbed: other chunks, other order
         )
         out.loss.backward()
         loss_sum += float(out.loss.detach())
@@ -131,8 +132,11 @@ def test_pipeline_step_equals_hf_step(tmp_path: Path) -> None:
         megatron_step, world_size=tp * pp, args=(tp, pp, str(student), mbs, teacher_head), timeout=240
     )
     loss, grads, _ = results[0]
-    assert abs(loss - expected_loss) <= 1e-5 * abs(expected_loss)
-    assert all(abs(norm - expected_norm) <= 1e-5 * expected_norm for _, _, norm in results)
+    # One forward (the loss) and its backward (the gradients, the norm) of a 2-block student, 128 wide,
+    # in two implementations: forward_rtol, twice for a backward's second pass.
+    assert_close(loss, expected_loss, rtol=forward_rtol(2, 128), what="loss")
+    norms = [norm for _, _, norm in results]
+    assert_close(norms, [expected_norm] * len(results), rtol=2 * forward_rtol(2, 128), what="norm")
     assert grads is not None and sorted(grads) == sorted(expected)
     for name, grad in expected.items():
-        assert (grads[name] - grad).abs().max() <= 1e-5 * grad.abs().max() + 1e-9, name
+        assert_close(grads[name], grad, rtol=2 * forward_rtol(2, 128), norm=True, what=name)

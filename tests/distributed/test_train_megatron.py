@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,11 +22,19 @@ from mopd.train.metrics import METRICS_FILE, read_metrics
 from mopd.train.trainer import TrainResult, run_training
 from tests.distributed.harness import run_distributed, run_torchrun
 from tests.precompute.teachers import make_tokenizer, save_teacher
+from tests.tolerance import (
+    assert_close,
+    assert_same_training,
+    mean_over,
+    network_rtol,
+    perturbed,
+    trajectory_rtol,
+)
 from tests.train.world import World, write_train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-COMPARED = ("loss", "divergence", "divergence_min", "divergence_max", "grad_norm")
+TRAIN_LR = 5.0e-3  # the world config's learning rate
 TRAIN = dict(
     steps=5,
     batch={"micro_batch_tokens": 256, "global_batch_tokens": 1024},
@@ -81,8 +88,9 @@ def setup(world: World, tmp_path_factory: pytest.TempPathFactory) -> Setup:
 
 @pytest.fixture(scope="module")
 def single(setup: Setup) -> TrainResult:
-    """The reference: the hf backend in one process."""
-    config = load_config(setup.config("hf"))
+    """The reference: the hf backend in one process (perturbed: other microbatches and chunks)."""
+    reorder = dict(batch={**TRAIN["batch"], "micro_batch_tokens": 128}, divergence={"chunk_size": 48})
+    config = load_config(setup.config("hf", **(reorder if perturbed() else {})))
     return run_training(config, output=setup.root / "hf-run", log=lambda _line: None)
 
 
@@ -120,21 +128,19 @@ def test_layouts_match_single_process_hf(
     setup: Setup, single: TrainResult, launch: Callable[[int, int], Launched], tp: int, pp: int
 ) -> None:
     """5 steps (several microbatches per replica, held-out eval at steps 0 and 5) equal the hf run
-    within 1e-5; teacher heads are held by the last stage's ranks only, each its vocabulary slice."""
+    within `assert_same_training`'s bounds; teacher heads are held by the last stage's ranks only, each
+    its vocabulary slice."""
     run = launch(tp, pp)
     assert run.log.count("step 5/5") == 1  # rank 0 alone logs
     got_train, got_eval = split(read_metrics(run.output / METRICS_FILE))
     want_train, want_eval = split(single.records)
     assert [r["step"] for r in got_train] == [1, 2, 3, 4, 5]
-    for key in COMPARED:
-        np.testing.assert_allclose(
-            [r[key] for r in got_train], [r[key] for r in want_train], rtol=1e-5, atol=1e-7, err_msg=key
-        )
     assert [r["trained_tokens"] for r in got_train] == [r["trained_tokens"] for r in want_train]
+    assert_same_training(got_train, want_train, layers=2, width=128)  # a 2-block student, 128 wide
     assert [r["step"] for r in got_eval] == [0, 5]
-    np.testing.assert_allclose(
-        [r["divergence"] for r in got_eval], [r["divergence"] for r in want_eval], rtol=1e-5
-    )
+    for mine, theirs in zip(got_eval, want_eval, strict=True):  # a mean over the held-out rows' tokens
+        rtol = mean_over(theirs["trained_tokens"], trajectory_rtol(max(1, mine["step"]), layers=2, width=128))
+        assert_close(mine["divergence"], theirs["divergence"], rtol=rtol, what=f"eval {mine['step']}")
 
     from transformers import AutoConfig
 
@@ -161,15 +167,18 @@ def test_resume_under_tp2_pp2_matches_uninterrupted(
     got = {r["step"]: r for r in split(read_metrics(resumed / METRICS_FILE))[0]}
     want = {r["step"]: r for r in split(read_metrics(whole.output / METRICS_FILE))[0]}
     assert sorted(got) == [4, 5]
-    for step in (4, 5):
-        for key in COMPARED:
-            assert got[step][key] == pytest.approx(want[step][key], rel=1e-6, abs=1e-9), (step, key)
+    # From the same step-3 weights, sequence parallelism off sums the norms' gradients in another order:
+    # two steps of diverging rounding.
+    assert_same_training([got[4], got[5]], [want[4], want[5]], layers=2, width=128, since=3)
+    # AdamW moves a weight by at most lr·(1 + |w|·weight_decay) ≈ lr per step; a direction that rounds
+    # within trajectory_rtol of another moves it at most that fraction of lr apart, twice.
+    atol = 2 * TRAIN_LR * trajectory_rtol(2, layers=2, width=128)
     final = "checkpoints/step_00000005/model"
     for shard in sorted((whole.output / final).glob("tp*-pp*.safetensors")):
         a, b = load_file(str(shard)), load_file(str(resumed / final / shard.name))
         assert sorted(a) == sorted(b)
         for name in a:
-            assert (a[name] - b[name]).abs().max() <= 1e-6, (shard.name, name)
+            assert_close(a[name], b[name], atol=atol, what=f"{shard.name} {name}")
 
 
 def _check_exported(
@@ -241,7 +250,7 @@ def test_export_and_refusals(setup: Setup, launch: Callable[[int, int], Launched
         timeout=300,
     )
     got = next(r["logits"] for r in results if r["logits"] is not None)
-    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert_close(got, want, rtol=network_rtol(setup.student), norm=True, what="exported logits")
     layout, teachers = results[0]["errors"]
     assert layout.startswith("ConfigError") and "megatron tp=2 × pp=2" in layout and "tp=2 × pp=1" in layout
     assert teachers.startswith("ManifestError") and "teacher list differs" in teachers

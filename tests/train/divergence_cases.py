@@ -64,3 +64,14 @@ def make_case(
         weights=weights / weights.sum(),
         transforms=transforms,
     )
+
+
+def logit_range(case: Case, temperature: float = 1.0) -> float:
+    """The largest gap between two logits of one row, on either side, after transforms and temperature
+    (the scale of a log-probability's rounding error; see tests/tolerance.value_atol)."""
+    c = case.to(torch.float64)
+    sides = [c.student_hidden.detach() @ c.student_head.detach().T]
+    for t, rows in c.teacher_hidden.items():
+        logits = rows @ c.teacher_heads[t].T
+        sides.append(c.transforms[t].apply(logits) if t in c.transforms else logits)
+    return max(float((z.amax(1) - z.amin(1)).max()) for z in sides if z.numel()) / temperature

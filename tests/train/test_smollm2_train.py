@@ -9,10 +9,12 @@ import yaml
 
 from mopd.precompute.packaged_models import smollm2_checkpoint
 from mopd.precompute.runner import run_precompute
+from mopd.store import open_store
 from mopd.store.config import load_config
 from mopd.train.trainer import run_training
 from tests.precompute.teachers import write_jsonl
 from tests.precompute.test_smollm2 import TEXTS
+from tests.tolerance import assert_close, value_atol
 
 
 @pytest.mark.slow
@@ -36,4 +38,10 @@ def test_smollm2_distilled_from_itself_starts_at_zero(tmp_path: Path) -> None:
     run_precompute(config, show_progress=False, log=lambda _: None)
     record = run_training(config, output=tmp_path / "run", log=lambda _line: None).records[0]
     assert record["trained_tokens"] > 50
-    assert max(abs(record["divergence_min"]), abs(record["divergence_max"])) <= 1e-6, record
+    # KL ≥ 0 in exact arithmetic; each token's fp32 value rounds within value_atol of it.
+    store = open_store(tmp_path / "store.zarr")
+    gap = max(float((z.amax(1) - z.amin(1)).max()) for z in (store.teacher_logits(i) for i in range(2)))
+    bound = value_atol(store.teacher(0).vocab_size, gap)
+    assert_close(
+        [record["divergence_min"], record["divergence_max"]], [0.0, 0.0], atol=bound, what="min, max"
+    )
