@@ -28,6 +28,17 @@ class _Group(click.Group):
                 raise
             click.echo(f"error: {err}", err=True)
             sys.exit(1)
+        except OSError as err:  # a full disk, an I/O error, a permission: one line naming the file
+            if ctx.params.get("debug"):
+                raise
+            click.echo(f"error: {describe_os_error(err)}", err=True)
+            sys.exit(1)
+
+
+def describe_os_error(err: OSError) -> str:
+    """`<operation> failed: <reason>: <path>` (the commit path names its operation; see store/faults)."""
+    reason = err.strerror or str(err)
+    return f"{reason}: {err.filename}" if err.filename else reason
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

@@ -58,7 +58,11 @@ class HFTeacher:
             hf_logging.set_verbosity_error()
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                checkpoint, dtype=self.dtype, trust_remote_code=trust_remote_code, **overrides
+                checkpoint,
+                dtype=self.dtype,
+                trust_remote_code=trust_remote_code,
+                use_safetensors=True,  # never a pickle (DESIGN §11)
+                **overrides,
             )
         except (OSError, ValueError) as err:
             raise ConfigError(f"teacher {checkpoint}: cannot be loaded by transformers ({err})") from err

@@ -28,7 +28,17 @@ from mopd.store.config import MopdConfig
 from mopd.store.devices import resolve_device
 from mopd.store.errors import ConfigError, StoreIntegrityError
 from mopd.store.layout import plan_tasks, shard_rows
-from mopd.store.manifest import DatasetInfo, Manifest, Plan, StorageInfo, TaskSpec, TeacherInfo, TokenizerInfo
+from mopd.store.manifest import (
+    DatasetInfo,
+    HeadTask,
+    Manifest,
+    Plan,
+    RowsTask,
+    ShardTask,
+    StorageInfo,
+    TeacherInfo,
+    TokenizerInfo,
+)
 from mopd.store.tasks import HiddenShardWriter, write_lm_head, write_rows
 from mopd.store.transform import LogitTransform
 from mopd.store.version import __version__
@@ -107,7 +117,11 @@ def build_plan(
                 "input_format": rows.input_format,
             },
             "routing": config.routing.model_dump(mode="json"),
-            "precompute": {"rows_per_task": config.precompute.rows_per_task, "compute_dtype": compute_dtype},
+            "precompute": {
+                "rows_per_task": config.precompute.rows_per_task,
+                "compute_dtype": compute_dtype,
+                "trust_remote_code": config.precompute.trust_remote_code,
+            },
         },
     )
 
@@ -161,19 +175,18 @@ def load_teacher(
     raise ConfigError(f"precompute.backend {backend!r} is not one of hf, vllm, megatron")
 
 
-def task_batches(task: TaskSpec, rows: TokenizedRows, config: MopdConfig) -> list[np.ndarray]:
+def task_batches(task: ShardTask, rows: TokenizedRows, config: MopdConfig) -> list[np.ndarray]:
     """The row batches of a hidden-state task, in processing order (the same on every rank)."""
-    assert task.teacher is not None
     row_ids = shard_rows(rows.teacher_index, task)
     return pack_batches(row_ids, rows.lengths[row_ids], batch_tokens=config.precompute.batch_tokens)
 
 
 def follow_hidden_tasks(
-    tasks: list[TaskSpec], teachers: TeacherSet, rows: TokenizedRows, config: MopdConfig, group: Any
+    tasks: list[ShardTask], teachers: TeacherSet, rows: TokenizedRows, config: MopdConfig, group: Any
 ) -> None:
     """A megatron rank that is not its group's writer: runs every batch the writer runs, writes nothing."""
     for slot in teachers.slots:
-        mine = [t for t in tasks if t.teacher == slot.index and t.kind == "hidden"]
+        mine = [t for t in tasks if t.teacher == slot.index]
         if not mine:
             continue
         teacher = load_teacher(
@@ -189,7 +202,7 @@ def follow_hidden_tasks(
 
 def run_hidden_task(
     writer: StoreWriter,
-    task: TaskSpec,
+    task: ShardTask,
     teacher: HiddenStateSource,
     rows: TokenizedRows,
     config: MopdConfig,
@@ -271,7 +284,13 @@ def run_precompute(
     selected = set(select_tasks([t.task_id for t in plan.tasks], num_tasks=num_tasks, task_index=task_index))
     if group is not None and not group.is_lead:
         todo_ids = set(group.share([]))
-        follow_hidden_tasks([t for t in plan.tasks if t.task_id in todo_ids], teachers, rows, config, group)
+        follow_hidden_tasks(
+            [t for t in plan.tasks if isinstance(t, ShardTask) and t.task_id in todo_ids],
+            teachers,
+            rows,
+            config,
+            group,
+        )
         return PrecomputeResult(store, len(plan.tasks), len(selected), [], 0, 0, 0, None, writes=False)
     writer = StoreWriter.open(store, plan)
     done = writer.done_tasks()
@@ -286,7 +305,7 @@ def run_precompute(
     )
     computed: list[str] = []
     # Each row is in exactly one hidden task, so the job's totals are plain sums over its tasks.
-    todo_rows = [shard_rows(rows.teacher_index, t) for t in todo if t.kind == "hidden"]
+    todo_rows = [shard_rows(rows.teacher_index, t) for t in todo if isinstance(t, ShardTask)]
     start = time.perf_counter()
     with TokenProgress(
         total_rows=sum(r.shape[0] for r in todo_rows),
@@ -294,7 +313,7 @@ def run_precompute(
         enabled=show_progress,
     ) as progress:
         for task in todo:
-            if task.kind == "rows":
+            if isinstance(task, RowsTask):
                 with writer.task(task.task_id) as out:
                     write_rows(
                         out,
@@ -305,7 +324,7 @@ def run_precompute(
                     )
                 computed.append(task.task_id)
         for slot in teachers.slots:
-            mine = [t for t in todo if t.teacher == slot.index]
+            mine = [t for t in todo if isinstance(t, HeadTask | ShardTask) and t.teacher == slot.index]
             if not mine:
                 continue
             progress.describe(f"teacher {slot.index} ({', '.join(slot.aliases)})")
@@ -316,7 +335,7 @@ def run_precompute(
                 first_rows = [rows.input_ids[r] for r in np.flatnonzero(rows.teacher_index == slot.index)[:4]]
                 teacher.check_capture(first_rows or [rows.input_ids[0][:16]])
                 for task in mine:
-                    if task.kind == "lm_head":
+                    if isinstance(task, HeadTask):
                         with writer.task(task.task_id) as out:
                             write_lm_head(
                                 out,
@@ -347,7 +366,7 @@ def run_precompute(
     )
     if manifest is not None:
         for shard in manifest.shards:
-            stats = result.per_teacher.setdefault(shard.teacher or 0, TeacherStats())
+            stats = result.per_teacher.setdefault(shard.teacher, TeacherStats())
             stats.rows += shard.rows
             stats.tokens += shard.tokens
             stats.bytes += shard.bytes

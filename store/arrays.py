@@ -1,10 +1,17 @@
 """Zarr v3 arrays of the store: creation, streaming chunk-aligned writes, logical dtypes.
 
-zarr-python writes each array's metadata and serves all reads. Bulk writes go through tensorstore, which
+zarr-python writes each array's metadata. Bulk writes go through tensorstore, which
 encodes and writes chunks on its own thread pool: on two cores it writes a bf16 payload about twice as
 fast as zarr-python (bench/store_io.py measures both). Both read and write the same standard zarr v3
 arrays; bf16 is stored as uint16 bit patterns with the attribute `logical_dtype: "bfloat16"` because
 zarr-python has no bfloat16 dtype (bit-exact round trip).
+
+Reads never invent data. zarr fills a chunk that is not on disk with the fill value, which a trainer
+would take for real zeros; format 2 therefore writes every chunk (zeros too) and ends each chunk's
+codec chain with a crc32c checksum, and `chunks.ArrayReader` refuses a missing, truncated, undecodable
+or bit-flipped chunk with a `StoreIntegrityError` naming the array and the chunk. (Format 1 stores
+skipped all-zero chunks and carry no checksums: their readers check the files against the part records
+instead, see `reader.py`.)
 """
 
 from __future__ import annotations
@@ -17,8 +24,9 @@ import numpy as np
 import tensorstore as ts
 import torch
 import zarr
-from zarr.abc.store import Store
-from zarr.codecs import BloscCodec
+from zarr.codecs import BloscCodec, Crc32cCodec
+
+from mopd.store import faults
 
 CODECS = ("shuffle-zstd1", "none")
 # Blosc splits a chunk into blocks; 1 MiB blocks give zstd enough context to reach the ~1.46x that
@@ -73,6 +81,7 @@ def create_array(
     dtype: str,
     chunk_bytes: int,
     codec: str,
+    checksum: bool = True,
     attributes: dict[str, Any] | None = None,
 ) -> zarr.Array:
     """Creates an empty zarr v3 array chunked along its first axis.
@@ -81,13 +90,14 @@ def create_array(
         dtype: a logical dtype ('bfloat16', 'float32') or a numpy dtype name.
         chunk_bytes: target bytes per chunk; each chunk spans whole rows.
         codec: 'shuffle-zstd1' (blosc byte-shuffle + zstd level 1) or 'none'.
+        checksum: end every chunk with its crc32c (format 2; checked on every read).
     """
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
     np_dtype = storage_dtype(dtype)
     row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np_dtype.itemsize
     chunks = (min(chunk_rows(row_bytes, chunk_bytes), max(1, shape[0])), *shape[1:])
-    compressors = (
+    compressors: list[Any] = (
         [
             BloscCodec(
                 cname="zstd",
@@ -98,15 +108,17 @@ def create_array(
             )
         ]
         if codec == "shuffle-zstd1"
-        else None
+        else []
     )
+    if checksum:
+        compressors.append(Crc32cCodec())
     attrs = {"logical_dtype": dtype if dtype in _STORAGE_DTYPE else np_dtype.name, **(attributes or {})}
     return zarr.create_array(
         zarr.storage.LocalStore(path),
         shape=shape,
         chunks=chunks,
         dtype=np_dtype,
-        compressors=compressors,
+        compressors=compressors or None,
         fill_value=0,
         attributes=attrs,
         zarr_format=3,
@@ -126,8 +138,15 @@ class ChunkAppender:
         self._rows_per_chunk = meta.chunks[0]
         self._shape = meta.shape
         self._total_rows = total_rows
+        self._path = path
+        # Every chunk is written, zeros too: a reader can then tell a missing chunk from a zero one.
         self._array = ts.open(
-            {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}, "open": True},
+            {
+                "driver": "zarr3",
+                "kvstore": {"driver": "file", "path": str(path)},
+                "open": True,
+                "store_data_equal_to_fill_value": True,
+            },
             context=_TS_CONTEXT,
         ).result()
         self._pending: list[np.ndarray] = []
@@ -157,15 +176,17 @@ class ChunkAppender:
         while len(self._in_flight) >= _MAX_WRITES_IN_FLIGHT:
             self._in_flight.popleft().result()
         start = self._written
-        self._in_flight.append(self._array[start : start + num_rows].write(np.ascontiguousarray(head)))
+        with faults.io("write", self._path):
+            self._in_flight.append(self._array[start : start + num_rows].write(np.ascontiguousarray(head)))
         self._written += num_rows
 
     def close(self) -> None:
         """Writes the last partial chunk and waits until every write has completed."""
         if self._pending_rows:
             self._flush(self._pending_rows)
-        while self._in_flight:
-            self._in_flight.popleft().result()
+        with faults.io("write", self._path):
+            while self._in_flight:
+                self._in_flight.popleft().result()
         if self._written != self._total_rows:
             raise ValueError(f"array filled with {self._written} of its {self._total_rows} rows")
 
@@ -177,6 +198,7 @@ def write_array(
     logical_dtype: str | None = None,
     chunk_bytes: int,
     codec: str,
+    checksum: bool = True,
     attributes: dict[str, Any] | None = None,
 ) -> None:
     """Creates an array at `path` and writes `data` into it."""
@@ -186,6 +208,7 @@ def write_array(
         dtype=logical_dtype or data.dtype.name,
         chunk_bytes=chunk_bytes,
         codec=codec,
+        checksum=checksum,
         attributes=attributes,
     )
     appender = ChunkAppender(path, total_rows=data.shape[0])
@@ -193,17 +216,20 @@ def write_array(
     appender.close()
 
 
-def write_strings(path: Path, values: list[str]) -> None:
+def write_strings(path: Path, values: list[str], *, checksum: bool = True) -> None:
     """A 1-d array of variable-length UTF-8 strings (zarr-python; small provenance columns only)."""
     array = zarr.create_array(
         zarr.storage.LocalStore(path),
         shape=(len(values),),
         chunks=(max(1, min(len(values), 65536)),),
         dtype=str,
+        compressors=[Crc32cCodec()] if checksum else None,
         zarr_format=3,
+        config={"write_empty_chunks": True},
     )
     if values:
-        array[:] = np.array(values, dtype=object)
+        with faults.io("write", path):
+            array[:] = np.array(values, dtype=object)
 
 
 def read_rows(array: zarr.Array, start: int | None = None, stop: int | None = None) -> np.ndarray:
@@ -211,8 +237,6 @@ def read_rows(array: zarr.Array, start: int | None = None, stop: int | None = No
     return np.asarray(array[start:stop])
 
 
-def open_array(path: Path, store: Store | None = None) -> zarr.Array:
-    """Opens an array read-only with zarr-python."""
-    return zarr.open_array(
-        store if store is not None else zarr.storage.LocalStore(path, read_only=True), mode="r"
-    )
+def open_array(path: Path) -> zarr.Array:
+    """Opens an array read-only with zarr-python (metadata; the string column)."""
+    return zarr.open_array(zarr.storage.LocalStore(path, read_only=True), mode="r")

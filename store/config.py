@@ -14,10 +14,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from mopd.store.errors import ConfigError
+from mopd.store.jsonio import check_unicode, decode_text, describe_location
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class RoutingConfig(_Section):
@@ -80,6 +81,19 @@ class DivergenceConfig(_Section):
     # "token": mean over the step's trained tokens; "sequence": mean per row, then over the step's rows.
     level: Literal["token", "sequence"] = "token"
 
+    @model_validator(mode="after")
+    def _jsd_is_not_degenerate(self) -> DivergenceConfig:
+        # mopd's JSD(β) mixes m = β·p_t + (1−β)·p_s: at β = 0 or 1, m is one of the two distributions and
+        # the divergence is 0 with zero gradient. Other tools' β = 1 means reverse KL; say so, never
+        # train on a silent zero.
+        if self.kind == "jsd" and self.beta in (0.0, 1.0):
+            instead = "reverse_kl" if self.beta == 1.0 else "forward_kl"
+            raise ValueError(
+                f"kind jsd with beta {self.beta} is identically 0 (nothing would train); for what other "
+                f"tools call JSD at beta {self.beta:g}, use kind: {instead}"
+            )
+        return self
+
 
 class OptimConfig(_Section):
     lr: float = Field(1.0e-4, gt=0.0)
@@ -104,8 +118,18 @@ class CheckpointConfig(_Section):
     keep: int = Field(3, ge=1)
 
 
+class InitFromConfig(_Section):
+    """A new run that starts from a training checkpoint's student (and optionally its optimizer state)."""
+
+    checkpoint: str
+    optimizer: bool = False
+
+
 class TrainConfig(_Section):
     student: str
+    # Start this (new) run from another run's checkpoint: its weights, and with optimizer: true its
+    # AdamW moments; the data order, schedule and step count start afresh. Never a resume.
+    init_from: InitFromConfig | None = None
     backend: Literal["hf", "megatron"] = "hf"
     parallel: ParallelConfig = ParallelConfig()
     divergence: DivergenceConfig = DivergenceConfig()
@@ -121,6 +145,13 @@ class TrainConfig(_Section):
     eval: EvalConfig = EvalConfig()
     output_dir: str = "out/run"
     checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _init_from_shorthand(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("init_from"), str):
+            return {**data, "init_from": {"checkpoint": data["init_from"]}}
+        return data
 
 
 class MopdConfig(_Section):
@@ -145,9 +176,20 @@ class MopdConfig(_Section):
         if default is not None and default not in aliases:
             raise ValueError(f"routing.default_teacher: alias {default!r} is not in teachers")
         if self.train is not None:
-            for alias in self.train.teacher_weights:
+            weights = self.train.teacher_weights
+            for alias, weight in weights.items():
                 if alias not in aliases:
                     raise ValueError(f"train.teacher_weights.{alias}: not an alias in teachers")
+                if weight < 0:
+                    raise ValueError(f"train.teacher_weights.{alias}: {weight} is negative; weights are ≥ 0")
+            if (
+                all(weights.get(alias, 1.0) == 0 for alias in aliases)
+                and self.train.divergence.ce_weight == 0
+            ):
+                raise ValueError(
+                    "train.teacher_weights: every teacher's weight is 0 (and ce_weight is 0), so the loss is "
+                    "0 and nothing would train; give at least one teacher a positive weight"
+                )
         return self
 
     def agent_to_alias(self) -> dict[str, str]:
@@ -155,14 +197,28 @@ class MopdConfig(_Section):
         return dict(self.routing.teacher_by_agent) or {alias: alias for alias in self.teachers}
 
 
+MAX_CONFIG_BYTES = 1 << 20
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys (PyYAML silently keeps the last one)."""
+    """SafeLoader that refuses duplicate mapping keys (PyYAML silently keeps the last one) and aliases
+    (`*name`: a few nested ones expand to billions of nodes, and a mopd config never needs one)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.events.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise ConfigError(
+                f"YAML alias at line {mark.line + 1}: aliases (*name) are not allowed in a config"
+            )
+        return super().compose_node(parent, index)
 
 
 def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        if not isinstance(key, str | int | float | bool) and key is not None:
+            raise ConfigError(f"line {key_node.start_mark.line + 1}: a mapping key must be a plain name")
         if key in seen:
             raise ConfigError(
                 f"duplicate key {key!r} at line {key_node.start_mark.line + 1} "
@@ -179,39 +235,66 @@ def load_yaml(path: str | Path) -> Any:
     """Parses a YAML file safely; duplicate keys raise `ConfigError`."""
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as err:
         raise ConfigError(f"cannot read config {path}: {err.strerror}") from err
+    return parse_yaml(data, source=str(path))
+
+
+def parse_yaml(data: bytes, *, source: str = "config") -> Any:
+    """Parses YAML text safely.
+
+    Raises:
+        ConfigError: oversized, not UTF-8, not YAML, duplicate keys, aliases, or nested too deep.
+    """
+    text = decode_text(data, what=source, error=ConfigError, max_bytes=MAX_CONFIG_BYTES)
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
+        value = yaml.load(text, Loader=_UniqueKeyLoader)
     except ConfigError as err:
-        raise ConfigError(f"{path}: {err}") from err
+        raise ConfigError(f"{source}: {err}") from err
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+        raise ConfigError(f"{source}: not valid YAML: {' '.join(str(err).split())}") from err
+    except RecursionError as err:
+        raise ConfigError(f"{source}: nested too deeply to be a config") from err
+    check_unicode(value, what=source, error=ConfigError)
+    return value
 
 
 def _format_validation_error(err: ValidationError) -> str:
     lines = []
     for item in err.errors():
-        key = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        message = item["msg"].removeprefix("Value error, ")
+        key = describe_location(item["loc"])
+        message = " ".join(item["msg"].removeprefix("Value error, ").split())
         lines.append(f"`{key}`: {message}" if item["loc"] else message)
     return "; ".join(lines)
 
 
 def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     def as_path(value: str) -> str:
-        return str((base / Path(value).expanduser()).resolve())
+        path = base / Path(value).expanduser()
+        try:
+            return str(path.resolve())
+        except (OSError, ValueError):  # not a name this filesystem could hold: reading it will say so
+            return str(path)
+
+    def exists(value: str) -> bool:
+        try:
+            return (base / value).exists()
+        except (OSError, ValueError):  # a name too long for the filesystem, a NUL byte: not a folder
+            return False
 
     def as_checkpoint(value: str) -> str:
         # A checkpoint is a local folder when it exists or is written as a path; anything else
         # (e.g. "org/model") is kept as an identifier and normalised by `normalise_checkpoint`.
-        looks_like_path = value.startswith((".", "/", "~")) or (base / value).exists()
+        looks_like_path = value.startswith((".", "/", "~")) or exists(value)
         return as_path(value) if looks_like_path else value
 
     out = dict(raw)
     if isinstance(out.get("teachers"), dict):
-        out["teachers"] = {alias: as_checkpoint(str(ckpt)) for alias, ckpt in out["teachers"].items()}
+        out["teachers"] = {
+            alias: as_checkpoint(ckpt) if isinstance(ckpt, str) else ckpt
+            for alias, ckpt in out["teachers"].items()
+        }
     if isinstance(out.get("tokenizer"), str):
         out["tokenizer"] = as_checkpoint(out["tokenizer"])
     for section, key, resolve in (
@@ -223,6 +306,14 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
         block = out.get(section)
         if isinstance(block, dict) and isinstance(block.get(key), str):
             out[section] = {**block, key: resolve(block[key])}
+    train = out.get("train")
+    if not isinstance(train, dict):
+        return out
+    init = train.get("init_from")
+    if isinstance(init, str):
+        out["train"] = {**train, "init_from": as_path(init)}
+    elif isinstance(init, dict) and isinstance(init.get("checkpoint"), str):
+        out["train"] = {**train, "init_from": {**init, "checkpoint": as_path(init["checkpoint"])}}
     return out
 
 

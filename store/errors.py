@@ -23,3 +23,7 @@ class StoreIncompleteError(MopdError):
 
 class FilesystemError(MopdError):
     """The filesystem lacks a guarantee the commit protocol relies on."""
+
+
+class CheckpointError(MopdError):
+    """A training checkpoint is incomplete, damaged, or was trained on something else."""

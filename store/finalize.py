@@ -8,20 +8,32 @@ from typing import Any
 
 import numpy as np
 
-from mopd.store.arrays import open_array, read_rows
+from mopd.store.chunks import ArrayReader
 from mopd.store.errors import StoreIntegrityError
 from mopd.store.fsio import create_exclusive, safe_join
+from mopd.store.layout import ROW_IDS, TEACHER_INDEX
 from mopd.store.manifest import (
     FORMAT,
     FORMAT_VERSION,
     ArtifactRecord,
+    HeadArtifact,
+    HeadTask,
     Manifest,
     PartRecord,
     Plan,
+    RowsArtifact,
+    RowsTask,
+    ShardArtifact,
+    ShardTask,
+    TaskSpec,
     TeacherEntry,
     canonical_json,
     load_manifest,
 )
+
+
+def _read_all(root: Path, folder: str, name: str) -> np.ndarray:
+    return ArrayReader(safe_join(root, folder) / name, label=f"{folder}/{name}").read()
 
 
 def check_coverage(root: Path, plan: Plan, parts: Mapping[str, PartRecord]) -> None:
@@ -30,8 +42,8 @@ def check_coverage(root: Path, plan: Plan, parts: Mapping[str, PartRecord]) -> N
     Raises:
         StoreIntegrityError: naming the teacher and the first rows missing or stored twice.
     """
-    rows_task = next(t for t in plan.tasks if t.kind == "rows")
-    teacher_index = read_rows(open_array(safe_join(root, rows_task.path) / "teacher_index"))
+    rows_task = next(t for t in plan.tasks if isinstance(t, RowsTask))
+    teacher_index = _read_all(root, rows_task.path, TEACHER_INDEX)
     if teacher_index.shape[0] != plan.dataset.num_rows:
         raise StoreIntegrityError(
             f"rows hold {teacher_index.shape[0]} rows, the plan has {plan.dataset.num_rows}"
@@ -40,9 +52,9 @@ def check_coverage(root: Path, plan: Plan, parts: Mapping[str, PartRecord]) -> N
         expected = np.flatnonzero(teacher_index == teacher.index)
         stored = []
         for task in plan.tasks:
-            if task.kind != "hidden" or task.teacher != teacher.index:
+            if not isinstance(task, ShardTask) or task.teacher != teacher.index:
                 continue
-            row_ids = read_rows(open_array(safe_join(root, task.path) / "row_ids"))
+            row_ids = _read_all(root, task.path, ROW_IDS)
             outside = row_ids[(row_ids < task.row_start) | (row_ids >= task.row_stop)]
             if outside.size:
                 raise StoreIntegrityError(
@@ -64,19 +76,21 @@ def check_coverage(root: Path, plan: Plan, parts: Mapping[str, PartRecord]) -> N
             )
 
 
-def _artifact(part: PartRecord, part_sha256: str) -> ArtifactRecord:
-    return ArtifactRecord(
+def _artifact(task: TaskSpec, part: PartRecord, part_sha256: str) -> ArtifactRecord:
+    stats = dict(
         task_id=part.task_id,
-        kind=part.kind,
-        path=part.path,
-        teacher=part.teacher,
-        shard=part.shard,
+        path=task.path,
         rows=part.num_rows,
         tokens=part.num_tokens,
         bytes=part.bytes,
         hash=part.hash,
         part_sha256=part_sha256,
     )
+    if isinstance(task, RowsTask):
+        return RowsArtifact(**stats)
+    if isinstance(task, HeadTask):
+        return HeadArtifact(teacher=task.teacher, **stats)
+    return ShardArtifact(teacher=task.teacher, shard=task.shard, **stats)
 
 
 def build_manifest(
@@ -90,11 +104,15 @@ def build_manifest(
 ) -> Manifest:
     """The manifest of a store whose every task is done; a pure function of the plan and the parts."""
     check_coverage(root, plan, parts)
-    by_kind: dict[str, list[ArtifactRecord]] = {"rows": [], "lm_head": [], "hidden": []}
+    artifacts = [_artifact(task, parts[task.task_id], part_hashes[task.task_id]) for task in plan.tasks]
+    heads = {}
     for task in plan.tasks:
-        by_kind[task.kind].append(_artifact(parts[task.task_id], part_hashes[task.task_id]))
-    heads = {part.teacher: part.info for part in parts.values() if part.kind == "lm_head"}
-    teachers = [TeacherEntry(**teacher.model_dump(), **heads[teacher.index]) for teacher in plan.teachers]
+        if isinstance(task, HeadTask):
+            head = parts[task.task_id].head
+            if head is None:
+                raise StoreIntegrityError(f"part record of {task.task_id} does not describe the LM head")
+            heads[task.teacher] = head
+    teachers = [TeacherEntry(**t.model_dump(), **heads[t.index].model_dump()) for t in plan.teachers]
     return Manifest(
         format=FORMAT,
         format_version=FORMAT_VERSION,
@@ -105,9 +123,11 @@ def build_manifest(
         dataset=plan.dataset,
         teachers=teachers,
         storage=plan.storage,
-        rows=by_kind["rows"][0],
-        lm_heads=sorted(by_kind["lm_head"], key=lambda a: a.teacher or 0),
-        shards=sorted(by_kind["hidden"], key=lambda a: (a.teacher or 0, a.shard or 0)),
+        rows=next(a for a in artifacts if isinstance(a, RowsArtifact)),
+        lm_heads=sorted((a for a in artifacts if isinstance(a, HeadArtifact)), key=lambda a: a.teacher),
+        shards=sorted(
+            (a for a in artifacts if isinstance(a, ShardArtifact)), key=lambda a: (a.teacher, a.shard)
+        ),
         config=plan.config,
         volatile=dict(volatile),
     )
@@ -119,12 +139,13 @@ def publish_manifest(path: Path, manifest: Manifest) -> Manifest:
     Raises:
         StoreIntegrityError: a different manifest is already there.
     """
-    if create_exclusive(path, canonical_json(manifest.model_dump(mode="json"))):
+    if create_exclusive(path, canonical_json(manifest.model_dump(mode="json")), what="manifest"):
         return manifest
     existing = load_manifest(path)
     if existing.stable_dict() != manifest.stable_dict():
         raise StoreIntegrityError(
-            f"{path} already exists and differs from the manifest this job built; the store was finalized "
-            "by another run. Run `mopd verify-manifest` on it, or use a new store path."
+            f"{path} already exists and differs from the manifest this job built (existing "
+            f"{existing.hash()[:16]}, this job's {manifest.hash()[:16]}); the store was finalized by another "
+            "run. Run `mopd verify-manifest` on it, or use a new store path."
         )
     return existing

@@ -14,17 +14,26 @@ import os
 import uuid
 from pathlib import Path
 
+from mopd.store import faults
 from mopd.store.errors import FilesystemError, ManifestError
 
 _HASH_BLOCK = 1 << 22
 
 
 def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with faults.io("fsync", path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    with faults.io("write", path), path.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def fsync_tree(root: Path) -> None:
@@ -44,53 +53,62 @@ def is_temporary(name: str) -> bool:
     return ".tmp-" in name
 
 
-def create_exclusive(path: Path, data: bytes) -> bool:
+def create_exclusive(path: Path, data: bytes, *, what: str = "record") -> bool:
     """Creates `path` with `data`, durably, only if it does not exist.
+
+    `what` names the kill points `<what>-written` and `<what>-linked` (see `faults`).
 
     Returns:
         True if this call created it; False if the name already existed (its content untouched).
     """
     temp = unique_temp_name(path)
-    with temp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
     try:
-        os.link(temp, path)
-        created = True
-    except FileExistsError:
-        created = False
+        _write_durably(temp, data)
+        faults.point(f"{what}-written")
+        try:
+            with faults.io("link", path):
+                os.link(temp, path)
+            created = True
+        except FileExistsError:
+            created = False
     finally:
-        temp.unlink()
+        temp.unlink(missing_ok=True)
     fsync_path(path.parent)
+    faults.point(f"{what}-linked")
     return created
 
 
 def write_replace(path: Path, data: bytes) -> None:
     """Writes `path` atomically (temp + fsync + rename); for files whose every version is identical."""
     temp = unique_temp_name(path)
-    with temp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, path)
+    try:
+        _write_durably(temp, data)
+        with faults.io("rename", path):
+            os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
     fsync_path(path.parent)
 
 
-def publish_dir(temp: Path, final: Path) -> bool:
+def publish_dir(temp: Path, final: Path, *, what: str = "folder") -> bool:
     """Makes a fully written temporary folder visible under its final name.
+
+    `what` names the kill points `<what>-fsynced` and `<what>-renamed` (see `faults`).
 
     Returns:
         True if published; False if `final` already exists with content (another writer won).
     """
     fsync_tree(temp)
+    faults.point(f"{what}-fsynced")
     try:
-        os.rename(temp, final)
+        with faults.io("rename", final):
+            os.rename(temp, final)
     except OSError as err:
         if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
             return False
         raise
     fsync_path(final.parent)
+    faults.point(f"{what}-renamed")
     return True
 
 

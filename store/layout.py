@@ -1,13 +1,90 @@
-"""Names inside a store and the pure task plan: one place for every path the writer and readers use."""
+"""The store's layout: the pure task plan, and what each kind of task writes (its arrays, their logical
+dtypes and shapes). Writer, reader, finalize and verify all read these declarations; no array name is
+spelt anywhere else.
+
+    rows/                      input_ids [T] int32, loss_mask [T] uint8, offsets [R+1] int64,
+                               teacher_index [R] int16, source_key [R] string
+    teachers/{t}/lm_head       [V, H] (the folder is the array)
+    teachers/{t}/shards/shard_{s:06d}/
+                               hidden [T_s, H], offsets [R_s+1] int64, row_ids [R_s] int64
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from mopd.store.manifest import TaskSpec
+from mopd.store.manifest import (
+    ArtifactRecord,
+    HeadArtifact,
+    HeadTask,
+    Manifest,
+    RowsArtifact,
+    RowsTask,
+    ShardArtifact,
+    ShardTask,
+    TaskSpec,
+)
 
 ROWS_PATH = "rows"
 ROWS_TASK_ID = "rows"
+
+INPUT_IDS, LOSS_MASK, OFFSETS, TEACHER_INDEX, SOURCE_KEY = (
+    "input_ids",
+    "loss_mask",
+    "offsets",
+    "teacher_index",
+    "source_key",
+)
+HIDDEN, ROW_IDS = "hidden", "row_ids"
+HEAD = ""  # an LM-head task's folder is itself the array
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One array a task writes: its name in the task folder, logical dtype and shape."""
+
+    name: str
+    dtype: str  # a numpy dtype name, "bfloat16", or "string" (variable-length UTF-8)
+    shape: tuple[int, ...]
+
+
+def rows_arrays(num_rows: int, num_tokens: int) -> dict[str, ArraySpec]:
+    """The rows task's arrays. `loss_mask[t] = 1`: the prediction made at position t (of token t+1) trains."""
+    return {
+        INPUT_IDS: ArraySpec(INPUT_IDS, "int32", (num_tokens,)),
+        LOSS_MASK: ArraySpec(LOSS_MASK, "uint8", (num_tokens,)),
+        OFFSETS: ArraySpec(OFFSETS, "int64", (num_rows + 1,)),
+        TEACHER_INDEX: ArraySpec(TEACHER_INDEX, "int16", (num_rows,)),
+        SOURCE_KEY: ArraySpec(SOURCE_KEY, "string", (num_rows,)),
+    }
+
+
+def head_array(vocab_size: int, hidden_size: int, dtype: str) -> ArraySpec:
+    """A teacher's LM head [V, H], chunked along V so a tensor-parallel rank reads only its slice."""
+    return ArraySpec(HEAD, dtype, (vocab_size, hidden_size))
+
+
+def shard_arrays(num_rows: int, num_tokens: int, hidden_size: int, dtype: str) -> dict[str, ArraySpec]:
+    """A hidden-state shard: its rows' states packed end to end, where each row starts, which rows."""
+    return {
+        HIDDEN: ArraySpec(HIDDEN, dtype, (num_tokens, hidden_size)),
+        OFFSETS: ArraySpec(OFFSETS, "int64", (num_rows + 1,)),
+        ROW_IDS: ArraySpec(ROW_IDS, "int64", (num_rows,)),
+    }
+
+
+def artifact_arrays(artifact: ArtifactRecord, manifest: Manifest) -> list[ArraySpec]:
+    """Every array a published task holds, with the shape the manifest implies."""
+    if isinstance(artifact, RowsArtifact):
+        return list(rows_arrays(manifest.dataset.num_rows, manifest.dataset.num_tokens).values())
+    teacher = next(t for t in manifest.teachers if t.index == artifact.teacher)
+    if isinstance(artifact, HeadArtifact):
+        return [head_array(teacher.vocab_size, teacher.hidden_size, teacher.dtype)]
+    assert isinstance(artifact, ShardArtifact)
+    dtype = manifest.storage.hidden_dtype
+    return list(shard_arrays(artifact.rows, artifact.tokens, teacher.hidden_size, dtype).values())
 
 
 def lm_head_path(teacher: int) -> str:
@@ -27,31 +104,19 @@ def plan_tasks(teacher_index: np.ndarray, *, num_teachers: int, rows_per_task: i
     """
     if rows_per_task <= 0:
         raise ValueError(f"rows_per_task must be positive, got {rows_per_task}")
-    tasks = [
-        TaskSpec(
-            task_id=ROWS_TASK_ID,
-            kind="rows",
-            path=ROWS_PATH,
-            row_start=0,
-            row_stop=int(teacher_index.shape[0]),
-        )
+    tasks: list[TaskSpec] = [
+        RowsTask(task_id=ROWS_TASK_ID, path=ROWS_PATH, row_stop=int(teacher_index.shape[0]))
     ]
     for teacher in range(num_teachers):
         tasks.append(
-            TaskSpec(
-                task_id=f"teacher_{teacher:03d}_lm_head",
-                kind="lm_head",
-                path=lm_head_path(teacher),
-                teacher=teacher,
-            )
+            HeadTask(task_id=f"teacher_{teacher:03d}_lm_head", path=lm_head_path(teacher), teacher=teacher)
         )
         rows = np.flatnonzero(teacher_index == teacher)
         for shard, start in enumerate(range(0, rows.shape[0], rows_per_task)):
             block = rows[start : start + rows_per_task]
             tasks.append(
-                TaskSpec(
+                ShardTask(
                     task_id=f"teacher_{teacher:03d}_shard_{shard:06d}",
-                    kind="hidden",
                     path=shard_path(teacher, shard),
                     teacher=teacher,
                     shard=shard,
@@ -62,7 +127,7 @@ def plan_tasks(teacher_index: np.ndarray, *, num_teachers: int, rows_per_task: i
     return tasks
 
 
-def shard_rows(teacher_index: np.ndarray, task: TaskSpec) -> np.ndarray:
-    """Global ids of the rows a hidden task stores, in row order."""
+def shard_rows(teacher_index: np.ndarray, task: ShardTask) -> np.ndarray:
+    """Global ids of the rows a shard task stores, in row order."""
     window = teacher_index[task.row_start : task.row_stop]
     return np.flatnonzero(window == task.teacher) + task.row_start

@@ -1,4 +1,4 @@
-"""Schemas of the store's JSON records: the plan, task part records and the manifest (format version 1).
+"""Schemas of the store's JSON records: the plan, task part records and the manifest (format version 2).
 
 - `_plan.json`: written once when a store is created; every later job must plan the same store.
 - `_parts/<task_id>.json`: created no-clobber by a task after its output folder is durable.
@@ -6,6 +6,12 @@
 
 All three are canonical JSON (sorted keys). Fields that legitimately differ between two runs that
 computed the same bytes (time, host) live under `volatile` and are excluded from every comparison.
+
+A task comes in three kinds, each its own type (`RowsTask`, `HeadTask`, `ShardTask`): a head and a
+shard always know their teacher, so nothing downstream guesses one. Version 2 adds per-chunk crc32c
+checksums to every array and writes every chunk, so a read can tell a missing chunk from a zero one;
+a fingerprint covers every byte of a teacher that decides its outputs. Version 1 records are upgraded
+on reading (`format_version` keeps saying 1, so readers know which guarantees hold).
 """
 
 from __future__ import annotations
@@ -13,81 +19,113 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
 
 from mopd.store.errors import ManifestError
+from mopd.store.jsonio import MAX_RECORD_BYTES, describe_location, parse_json
 
 FORMAT = "mopd-teacher-store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 KNOWN_FEATURES: frozenset[str] = frozenset()
 
 MANIFEST_FILE = "manifest.json"
 PLAN_FILE = "_plan.json"
 PARTS_DIR = "_parts"
 
-TaskKind = Literal["rows", "lm_head", "hidden"]
+
+# Counts, sizes, indices and positions: JSON integers ≥ 0 (never a bool, a float or a numeric string).
+Count = Annotated[StrictInt, Field(ge=0)]
 
 
 class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class TaskSpec(_Record):
-    """One unit of work. `hidden` tasks cover teacher `teacher`'s rows in [row_start, row_stop)."""
+class RowsTask(_Record):
+    """The rows: tokens, loss masks, teacher index and source key of rows [row_start, row_stop)."""
 
+    kind: Literal["rows"] = "rows"
     task_id: str
-    kind: TaskKind
     path: str
-    teacher: int | None = None
-    shard: int | None = None
-    row_start: int = 0
-    row_stop: int = 0
+    row_start: Count = 0
+    row_stop: Count
+
+
+class HeadTask(_Record):
+    """One teacher's LM head."""
+
+    kind: Literal["lm_head"] = "lm_head"
+    task_id: str
+    path: str
+    teacher: Count
+
+
+class ShardTask(_Record):
+    """Teacher `teacher`'s hidden states of its rows in [row_start, row_stop): its shard `shard`."""
+
+    kind: Literal["hidden"] = "hidden"
+    task_id: str
+    path: str
+    teacher: Count
+    shard: Count
+    row_start: Count
+    row_stop: Count
+
+
+TaskSpec = Annotated[RowsTask | HeadTask | ShardTask, Field(discriminator="kind")]
 
 
 class TeacherInfo(_Record):
     """What is known of a teacher before any forward pass."""
 
-    index: int
+    index: Count
     checkpoint: str
     aliases: list[str]
     fingerprint: str
     backend: str
 
 
-class TeacherEntry(TeacherInfo):
-    """A teacher as the manifest records it, with what its LM-head task measured."""
+class HeadInfo(_Record):
+    """What an LM-head task measured of its teacher."""
 
-    hidden_size: int
-    vocab_size: int
-    dtype: str
-    logit_scale: float | None = None
-    final_logit_softcap: float | None = None
+    vocab_size: Count
+    hidden_size: Count
+    dtype: Literal["bfloat16", "float32"]
+    logit_scale: StrictFloat | None = None
+    final_logit_softcap: StrictFloat | None = None
+
+
+class TeacherEntry(TeacherInfo, HeadInfo):
+    """A teacher as the manifest records it, with what its LM-head task measured."""
 
 
 class TokenizerInfo(_Record):
     name: str
     vocab_hash: str
-    vocab_size: int
+    vocab_size: Count
 
 
 class DatasetInfo(_Record):
     source: str
     fingerprint: str
-    num_rows: int
-    num_tokens: int
+    num_rows: Count
+    num_tokens: Count
 
 
 class StorageInfo(_Record):
     hidden_dtype: Literal["bfloat16", "float32"]
-    codec: str
-    chunk_bytes: int
+    codec: Literal["shuffle-zstd1", "none"]
+    chunk_bytes: Annotated[StrictInt, Field(gt=0)]
+    # Per-chunk checksum of every array (version 2); None in version-1 stores.
+    checksum: Literal["crc32c"] | None = "crc32c"
 
 
 class Plan(_Record):
-    format: str = FORMAT
-    format_version: int = FORMAT_VERSION
+    format: Literal["mopd-teacher-store"] = "mopd-teacher-store"
+    format_version: Count = FORMAT_VERSION
     tokenizer: TokenizerInfo
     dataset: DatasetInfo
     teachers: list[TeacherInfo]
@@ -101,40 +139,51 @@ class Plan(_Record):
 
 
 class PartRecord(_Record):
-    """A finished task: where its folder is and what is in it."""
+    """A finished task: its counts and every file of its folder (relative path → size, sha256)."""
 
     task_id: str
     identity: str
-    kind: TaskKind
-    path: str
-    teacher: int | None = None
-    shard: int | None = None
-    num_rows: int
-    num_tokens: int
-    bytes: int
+    num_rows: Count
+    num_tokens: Count
+    bytes: Count
     hash: str
-    files: dict[str, tuple[int, str]]
-    info: dict[str, Any] = {}
+    files: dict[str, tuple[Count, str]]
+    head: HeadInfo | None = None  # LM-head tasks only
 
 
-class ArtifactRecord(_Record):
-    """A published folder as the manifest lists it."""
+class _Published(_Record):
+    """A published task folder as the manifest lists it."""
 
     task_id: str
-    kind: TaskKind
     path: str
-    teacher: int | None = None
-    shard: int | None = None
-    rows: int
-    tokens: int
-    bytes: int
+    rows: Count
+    tokens: Count
+    bytes: Count
     hash: str
     part_sha256: str
 
 
+class RowsArtifact(_Published):
+    kind: Literal["rows"] = "rows"
+
+
+class HeadArtifact(_Published):
+    kind: Literal["lm_head"] = "lm_head"
+    teacher: Count
+
+
+class ShardArtifact(_Published):
+    kind: Literal["hidden"] = "hidden"
+    teacher: Count
+    shard: Count
+
+
+ArtifactRecord = RowsArtifact | HeadArtifact | ShardArtifact
+
+
 class Manifest(_Record):
-    format: str
-    format_version: int
+    format: Literal["mopd-teacher-store"]
+    format_version: Count
     required_features: list[str]
     created_by: str
     identity: str
@@ -142,9 +191,9 @@ class Manifest(_Record):
     dataset: DatasetInfo
     teachers: list[TeacherEntry]
     storage: StorageInfo
-    rows: ArtifactRecord
-    lm_heads: list[ArtifactRecord]
-    shards: list[ArtifactRecord]
+    rows: RowsArtifact
+    lm_heads: list[HeadArtifact]
+    shards: list[ShardArtifact]
     config: dict[str, Any]
     volatile: dict[str, Any] = {}
 
@@ -155,9 +204,13 @@ class Manifest(_Record):
         """The manifest without its volatile fields: equal for every run that made the same store."""
         return self.model_dump(mode="json", exclude={"volatile"})
 
+    def hash(self) -> str:
+        """sha256 of the stable manifest: the store's identity as a training checkpoint records it."""
+        return sha256_json(self.stable_dict())
+
 
 def canonical_json(obj: Any) -> bytes:
-    return (json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=False) + "\n").encode()
+    return (json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=False, allow_nan=False) + "\n").encode()
 
 
 def sha256_json(obj: Any) -> str:
@@ -169,33 +222,136 @@ def artifact_hash(files: dict[str, tuple[int, str]]) -> str:
     return sha256_json(sorted([path, size, digest] for path, (size, digest) in files.items()))
 
 
-def _load_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise
-    except (OSError, ValueError) as err:
-        raise ManifestError(f"{path}: the {what} does not parse ({err}); it is damaged") from err
-
-
-def check_format(raw: Any, path: Path) -> None:
-    """Checks format name, version and required features, in that order (DESIGN §4)."""
+def check_format(raw: Any, path: Path) -> int:
+    """Checks format name, version and required features, in that order (DESIGN §4); returns the version."""
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
         raise ManifestError(f"{path}: format is {found!r}, expected {FORMAT!r}; this is not a mopd store")
     version = raw.get("format_version")
-    if version != FORMAT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or version not in READABLE_VERSIONS:
         newer = isinstance(version, int) and version > FORMAT_VERSION
         fix = "upgrade mopd" if newer else "re-create the store with this mopd"
+        readable = ", ".join(map(str, READABLE_VERSIONS))
         raise ManifestError(
             f"{path}: format_version {version} is {'newer than' if newer else 'not read by'} this mopd "
-            f"(reads {FORMAT_VERSION}); {fix}"
+            f"(reads {readable}); {fix}"
         )
-    unknown = sorted(set(raw.get("required_features", [])) - KNOWN_FEATURES)
+    features = raw.get("required_features", [])
+    if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
+        raise ManifestError(f"{path}: required_features must be a list of names")
+    unknown = sorted(set(features) - KNOWN_FEATURES)
     if unknown:
         raise ManifestError(
             f"{path}: requires feature(s) {', '.join(unknown)} that this mopd does not know; upgrade mopd"
         )
+    return version
+
+
+# Version 1 wrote every task and artifact with all of kind, teacher, shard and row range (null or 0
+# where a kind has none), a part record's LM-head facts as `info`, and had no checksums.
+_V1_TASK_FIELDS = {
+    "rows": ("task_id", "path", "row_start", "row_stop"),
+    "lm_head": ("task_id", "path", "teacher"),
+    "hidden": ("task_id", "path", "teacher", "shard", "row_start", "row_stop"),
+}
+_V1_ARTIFACT_FIELDS = ("task_id", "path", "rows", "tokens", "bytes", "hash", "part_sha256")
+
+
+def _upgrade_v1_task(task: Any) -> Any:
+    if not isinstance(task, dict) or task.get("kind") not in _V1_TASK_FIELDS:
+        return task  # left for validation to reject
+    return {"kind": task["kind"], **{k: task.get(k) for k in _V1_TASK_FIELDS[task["kind"]]}}
+
+
+def _upgrade_v1_artifact(artifact: Any) -> Any:
+    if not isinstance(artifact, dict):
+        return artifact
+    kind = str(artifact.get("kind"))
+    keep = {"hidden": ("teacher", "shard"), "lm_head": ("teacher",)}.get(kind, ())
+    return {"kind": artifact.get("kind"), **{k: artifact.get(k) for k in (*_V1_ARTIFACT_FIELDS, *keep)}}
+
+
+def _upgrade_v1_storage(raw: dict[str, Any]) -> None:
+    if isinstance(raw.get("storage"), dict):
+        raw["storage"] = {**raw["storage"], "checksum": None}
+
+
+def upgrade_v1_plan(raw: dict[str, Any]) -> dict[str, Any]:
+    raw = dict(raw)
+    if isinstance(raw.get("tasks"), list):
+        raw["tasks"] = [_upgrade_v1_task(t) for t in raw["tasks"]]
+    _upgrade_v1_storage(raw)
+    return raw
+
+
+def upgrade_v1_manifest(raw: dict[str, Any]) -> dict[str, Any]:
+    raw = dict(raw)
+    raw["rows"] = _upgrade_v1_artifact(raw.get("rows"))
+    for key in ("lm_heads", "shards"):
+        if isinstance(raw.get(key), list):
+            raw[key] = [_upgrade_v1_artifact(a) for a in raw[key]]
+    _upgrade_v1_storage(raw)
+    return raw
+
+
+def upgrade_v1_part(raw: Any) -> Any:
+    if not isinstance(raw, dict) or "kind" not in raw:
+        return raw
+    info = raw.get("info") or None
+    head = info if raw.get("kind") == "lm_head" else None
+    dropped = {"kind", "path", "teacher", "shard", "info"}
+    return {**{k: v for k, v in raw.items() if k not in dropped}, "head": head}
+
+
+def _validate(model: type[BaseModel], raw: Any, path: Path, what: str) -> Any:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise ManifestError(
+            f"{path}: malformed {what}: {describe_location(first['loc'])}: {first['msg']}"
+        ) from err
+
+
+def parse_manifest(data: bytes, path: Path) -> Manifest:
+    """Validates the bytes of `manifest.json` (a version-1 manifest is upgraded in memory).
+
+    Raises:
+        ManifestError: they do not parse, have an unsupported format or version, or miss fields.
+    """
+    raw = parse_json(data, what=f"manifest {path}", error=ManifestError)
+    if check_format(raw, path) == 1:
+        raw = upgrade_v1_manifest(raw)
+    manifest: Manifest = _validate(Manifest, raw, path, "manifest")
+    return manifest
+
+
+def parse_plan(data: bytes, path: Path) -> Plan:
+    raw = parse_json(data, what=f"plan {path}", error=ManifestError)
+    if check_format(raw, path) == 1:
+        raw = upgrade_v1_plan(raw)
+    plan: Plan = _validate(Plan, raw, path, "plan")
+    return plan
+
+
+def parse_part(data: bytes, path: Path, *, format_version: int = FORMAT_VERSION) -> PartRecord:
+    raw = parse_json(data, what=f"part record {path}", error=ManifestError)
+    if format_version == 1:
+        raw = upgrade_v1_part(raw)
+    part: PartRecord = _validate(PartRecord, raw, path, "part record")
+    return part
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        size = path.stat().st_size
+        if size > MAX_RECORD_BYTES:
+            raise ManifestError(f"{what} {path}: {size} bytes, more than a record may have; it is damaged")
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        raise ManifestError(f"{what} {path}: unreadable ({err.strerror})") from err
 
 
 def load_manifest(path: Path) -> Manifest:
@@ -203,28 +359,14 @@ def load_manifest(path: Path) -> Manifest:
 
     Raises:
         FileNotFoundError: there is no manifest (the store is not finalized).
-        ManifestError: it does not parse, has an unsupported format or version, or misses fields.
+        ManifestError: see `parse_manifest`.
     """
-    raw = _load_json(path, "manifest")
-    check_format(raw, path)
-    try:
-        return Manifest.model_validate(raw)
-    except ValidationError as err:
-        first = err.errors()[0]
-        raise ManifestError(f"{path}: malformed manifest: {first['loc']}: {first['msg']}") from err
+    return parse_manifest(_read(path, "manifest"), path)
 
 
 def load_plan(path: Path) -> Plan:
-    raw = _load_json(path, "plan")
-    check_format(raw, path)
-    try:
-        return Plan.model_validate(raw)
-    except ValidationError as err:
-        raise ManifestError(f"{path}: malformed plan: {err}") from err
+    return parse_plan(_read(path, "plan"), path)
 
 
-def load_part(path: Path) -> PartRecord:
-    try:
-        return PartRecord.model_validate(_load_json(path, "part record"))
-    except ValidationError as err:
-        raise ManifestError(f"{path}: malformed part record: {err}") from err
+def load_part(path: Path, *, format_version: int = FORMAT_VERSION) -> PartRecord:
+    return parse_part(_read(path, "part record"), path, format_version=format_version)

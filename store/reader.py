@@ -1,4 +1,10 @@
-"""The public read API: `open_store(path) -> TeacherStore` (DESIGN §4). Readers trust only the manifest."""
+"""The public read API: `open_store(path) -> TeacherStore` (DESIGN §4). Readers trust only the manifest.
+
+Every read goes through `ArrayReader`, which refuses a missing, truncated, undecodable or (format 2)
+bit-flipped chunk with an error naming the array and the chunk. A format-1 store wrote no checksums and
+skipped all-zero chunks; its arrays are checked on opening against their part records (every recorded
+chunk file present, at its recorded size), and `FORMAT_1_NOTE` says what that leaves unchecked.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import zarr
-from zarr.abc.store import Store
 
-from mopd.store.arrays import from_storage, open_array, read_rows
+from mopd.store.arrays import from_storage
+from mopd.store.chunks import ArrayReader
 from mopd.store.errors import ManifestError, StoreIncompleteError, StoreIntegrityError
 from mopd.store.fsio import safe_join
+from mopd.store.layout import HIDDEN, INPUT_IDS, LOSS_MASK, OFFSETS, ROW_IDS, TEACHER_INDEX
 from mopd.store.manifest import (
     MANIFEST_FILE,
     PARTS_DIR,
@@ -22,9 +28,15 @@ from mopd.store.manifest import (
     Manifest,
     TeacherEntry,
     load_manifest,
+    load_part,
     load_plan,
 )
 from mopd.store.transform import LogitTransform
+
+FORMAT_1_NOTE = (
+    "store format 1 has no per-chunk checksums: reads find missing and truncated chunk files, but a "
+    "changed byte only `mopd verify-manifest --full` finds; rebuild the store for checked reads"
+)
 
 
 @dataclass(frozen=True)
@@ -70,31 +82,52 @@ class TeacherStore:
 
     Args:
         root: the store folder.
-        zarr_store: optional zarr store to read through instead of the local folder (e.g. one that
-            counts or caches reads).
     """
 
-    def __init__(self, root: str | Path, *, zarr_store: Store | None = None) -> None:
+    def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         self.manifest = read_manifest(self.root)
-        self._zarr_store = zarr_store
-        rows = self._array(self.manifest.rows.path, "offsets")
+        self._artifacts = {a.path: a for a in self.manifest.artifacts()}
+        rows = self._array(self.manifest.rows.path, OFFSETS)
         if rows.shape != (self.manifest.dataset.num_rows + 1,):
             raise StoreIntegrityError(
                 f"{self.root}: rows/offsets has shape {rows.shape}, the manifest records "
                 f"{self.manifest.dataset.num_rows} rows"
             )
-        self._offsets = read_rows(rows).astype(np.int64)
+        self._offsets = rows.read().astype(np.int64)
         self._teachers = {t.index: t for t in self.manifest.teachers}
 
+    @property
+    def format_note(self) -> str | None:
+        """What this store's format leaves unchecked at read time (None: every chunk is verified)."""
+        return FORMAT_1_NOTE if self.manifest.storage.checksum is None else None
+
     @functools.lru_cache(maxsize=256)  # noqa: B019 - the store lives as long as its arrays
-    def _array(self, folder: str, name: str = "") -> zarr.Array:
+    def _array(self, folder: str, name: str = "") -> ArrayReader:
         path = safe_join(self.root, folder)
-        if self._zarr_store is not None:
-            return zarr.open_array(self._zarr_store, path=f"{folder}/{name}".strip("/"), mode="r")
+        label = f"{folder}/{name}".rstrip("/")
         if not path.exists():
             raise StoreIntegrityError(f"{path} is listed in the manifest but missing; run verify-manifest")
-        return open_array(path / name if name else path)
+        legacy = self.manifest.storage.checksum is None
+        if legacy:
+            self._check_recorded_files(folder, name)
+        return ArrayReader(path / name if name else path, label=label, fill_missing=legacy)
+
+    def _check_recorded_files(self, folder: str, name: str) -> None:
+        """Format 1: every chunk file the part record lists for this array exists at its recorded size."""
+        artifact = self._artifacts[folder]
+        part = load_part(self.root / PARTS_DIR / f"{artifact.task_id}.json", format_version=1)
+        for rel, (size, _digest) in part.files.items():
+            if name and not rel.startswith(f"{name}/"):
+                continue
+            path = safe_join(self.root, f"{folder}/{rel}")
+            found = path.stat().st_size if path.is_file() else None
+            if found != size:
+                state = "missing" if found is None else f"{found} bytes, recorded {size} (truncated?)"
+                raise StoreIntegrityError(
+                    f"{folder}/{rel}: {state}; the store is damaged (`mopd verify-manifest --full` lists "
+                    "every damaged file)"
+                )
 
     @property
     def num_rows(self) -> int:
@@ -112,12 +145,12 @@ class TeacherStore:
         return self._teachers[teacher_index]
 
     @cached_property
-    def _row_arrays(self) -> tuple[zarr.Array, zarr.Array, np.ndarray]:
+    def _row_arrays(self) -> tuple[ArrayReader, ArrayReader, np.ndarray]:
         path = self.manifest.rows.path
         return (
-            self._array(path, "input_ids"),
-            self._array(path, "loss_mask"),
-            read_rows(self._array(path, "teacher_index")).astype(np.int64),
+            self._array(path, INPUT_IDS),
+            self._array(path, LOSS_MASK),
+            self._array(path, TEACHER_INDEX).read().astype(np.int64),
         )
 
     @property
@@ -139,8 +172,8 @@ class TeacherStore:
         input_ids, loss_mask, teacher_index = self._row_arrays
         start, stop = int(self._offsets[i]), int(self._offsets[i + 1])
         return Row(
-            input_ids=torch.from_numpy(read_rows(input_ids, start, stop).astype(np.int64)),
-            loss_mask=torch.from_numpy(read_rows(loss_mask, start, stop).astype(bool)),
+            input_ids=torch.from_numpy(input_ids.read(start, stop).astype(np.int64)),
+            loss_mask=torch.from_numpy(loss_mask.read(start, stop).astype(bool)),
             teacher_index=int(teacher_index[i]),
         )
 
@@ -150,7 +183,7 @@ class TeacherStore:
         shard_of = np.full(self.num_rows, -1, dtype=np.int64)
         position = np.full(self.num_rows, -1, dtype=np.int64)
         for k, shard in enumerate(self.manifest.shards):
-            row_ids = read_rows(self._array(shard.path, "row_ids")).astype(np.int64)
+            row_ids = self._array(shard.path, ROW_IDS).read().astype(np.int64)
             shard_of[row_ids] = k
             position[row_ids] = np.arange(row_ids.shape[0])
         return shard_of, position
@@ -162,11 +195,10 @@ class TeacherStore:
         if shard_of[i] < 0:
             raise StoreIntegrityError(f"row {i} is in no shard of the manifest")
         shard = self.manifest.shards[int(shard_of[i])]
-        offsets = self._array(shard.path, "offsets")
         p = int(position[i])
-        start, stop = (int(x) for x in read_rows(offsets, p, p + 2))
-        hidden = self._array(shard.path, "hidden")
-        return from_storage(read_rows(hidden, start, stop), str(hidden.attrs["logical_dtype"]))
+        start, stop = (int(x) for x in self._array(shard.path, OFFSETS).read(p, p + 2))
+        hidden = self._array(shard.path, HIDDEN)
+        return from_storage(hidden.read(start, stop), hidden.logical_dtype)
 
     def lm_head(
         self, teacher_index: int, vocab_start: int = 0, vocab_stop: int | None = None
@@ -182,12 +214,7 @@ class TeacherStore:
             raise ValueError(f"bad vocabulary slice [{vocab_start}, {vocab_stop})")
         head = self._array(self.manifest.lm_heads[self._head_position(teacher_index)].path)
         stored_stop = min(vocab_stop, entry.vocab_size)
-        part = from_storage(
-            read_rows(head, vocab_start, stored_stop)
-            if vocab_start < stored_stop
-            else np.zeros((0, entry.hidden_size), dtype=head.dtype),
-            entry.dtype,
-        )
+        part = from_storage(head.read(vocab_start, max(vocab_start, stored_stop)), entry.dtype)
         if stored_stop == vocab_stop:
             return part
         padding = torch.zeros(vocab_stop - max(stored_stop, vocab_start), entry.hidden_size, dtype=part.dtype)
@@ -203,12 +230,12 @@ class TeacherStore:
         return LogitTransform(entry.logit_scale, entry.final_logit_softcap).apply(logits)
 
 
-def open_store(path: str | Path, *, zarr_store: Store | None = None) -> TeacherStore:
+def open_store(path: str | Path) -> TeacherStore:
     """Opens a finalized store for reading.
 
     Raises:
         StoreIncompleteError: the store has no manifest yet (says how many tasks are done).
         ManifestError: not a store, unsupported format version or unknown required feature.
-        StoreIntegrityError: arrays disagree with the recorded shapes.
+        StoreIntegrityError: arrays disagree with the recorded shapes, or a chunk cannot be read.
     """
-    return TeacherStore(path, zarr_store=zarr_store)
+    return TeacherStore(path)

@@ -1,4 +1,5 @@
-"""What each kind of task writes into its folder: rows, an LM head, a hidden-state shard."""
+"""What each kind of task writes into its folder: rows, an LM head, a hidden-state shard (the arrays
+`layout.py` declares)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,19 @@ import numpy as np
 import torch
 
 from mopd.store.arrays import ChunkAppender, to_storage, torch_logical_dtype
+from mopd.store.layout import (
+    HIDDEN,
+    INPUT_IDS,
+    LOSS_MASK,
+    OFFSETS,
+    ROW_IDS,
+    SOURCE_KEY,
+    TEACHER_INDEX,
+    head_array,
+    rows_arrays,
+    shard_arrays,
+)
+from mopd.store.manifest import HeadInfo
 from mopd.store.writer import TaskOutput
 
 
@@ -29,11 +43,12 @@ def write_rows(
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     flat_ids = np.concatenate(input_ids).astype(np.int32) if len(input_ids) else np.zeros(0, np.int32)
     flat_mask = np.concatenate(loss_mask).astype(np.uint8) if len(loss_mask) else np.zeros(0, np.uint8)
-    output.write("input_ids", flat_ids)
-    output.write("loss_mask", flat_mask)
-    output.write("offsets", offsets)
-    output.write("teacher_index", np.asarray(teacher_index, dtype=np.int16))
-    output.write_strings("source_key", [str(key) for key in source_keys])
+    arrays = rows_arrays(int(lengths.shape[0]), int(offsets[-1]))
+    output.write(arrays[INPUT_IDS], flat_ids)
+    output.write(arrays[LOSS_MASK], flat_mask)
+    output.write(arrays[OFFSETS], offsets)
+    output.write(arrays[TEACHER_INDEX], np.asarray(teacher_index, dtype=np.int16))
+    output.write_strings(arrays[SOURCE_KEY], [str(key) for key in source_keys])
     output.num_rows = int(lengths.shape[0])
     output.num_tokens = int(offsets[-1])
 
@@ -48,21 +63,19 @@ def write_lm_head(
     """Writes a teacher's LM head [V, H], chunked along V so a tensor-parallel rank reads its slice."""
     dtype = torch_logical_dtype(head.dtype)
     vocab_size, hidden_size = head.shape
-    info = {
-        "vocab_size": int(vocab_size),
-        "hidden_size": int(hidden_size),
-        "dtype": dtype,
-        "logit_scale": logit_scale,
-        "final_logit_softcap": final_logit_softcap,
-    }
-    appender = output.appender(
-        "",
-        shape=(vocab_size, hidden_size),
+    info = HeadInfo(
+        vocab_size=int(vocab_size),
+        hidden_size=int(hidden_size),
         dtype=dtype,
-        attributes={**info, "padded_vocab_size": int(vocab_size)},
+        logit_scale=logit_scale,
+        final_logit_softcap=final_logit_softcap,
+    )
+    appender = output.appender(
+        head_array(info.vocab_size, info.hidden_size, dtype),
+        attributes={**info.model_dump(mode="json"), "padded_vocab_size": info.vocab_size},
     )
     appender.append(to_storage(head, dtype))
-    output.info = info
+    output.head = info
 
 
 class HiddenShardWriter:
@@ -77,10 +90,10 @@ class HiddenShardWriter:
         self._dtype = dtype
         self._next = 0
         total = int(self._lengths.sum())
-        self._hidden: ChunkAppender = output.appender("hidden", shape=(total, hidden_size), dtype=dtype)
+        self._arrays = shard_arrays(int(self._row_ids.shape[0]), total, hidden_size, dtype)
+        self._hidden: ChunkAppender = output.appender(self._arrays[HIDDEN])
         output.num_rows = int(self._row_ids.shape[0])
         output.num_tokens = total
-        output.info = {"hidden_size": hidden_size, "dtype": dtype}
 
     def append(self, row_id: int, hidden: torch.Tensor) -> None:
         """Adds the next row's hidden states [L, H]; rows must come in the declared order."""
@@ -98,5 +111,5 @@ class HiddenShardWriter:
         if self._next != self._row_ids.shape[0]:
             raise ValueError(f"shard closed after {self._next} of {self._row_ids.shape[0]} rows")
         offsets = np.concatenate([[0], np.cumsum(self._lengths)]).astype(np.int64)
-        self._output.write("offsets", offsets)
-        self._output.write("row_ids", self._row_ids)
+        self._output.write(self._arrays[OFFSETS], offsets)
+        self._output.write(self._arrays[ROW_IDS], self._row_ids)

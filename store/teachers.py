@@ -13,9 +13,13 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from mopd.store.errors import ManifestError
 from mopd.store.fsio import write_replace
+from mopd.store.jsonio import describe_location, read_json
 
 TEACHER_LIST_FILE = "teachers.json"
 
@@ -133,6 +137,20 @@ def write_teacher_list(folder: Path, teachers: Sequence[TeacherIdentity]) -> Pat
     return path
 
 
+class _ListedTeacher(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: Annotated[StrictInt, Field(ge=0)]
+    checkpoint: StrictStr
+    fingerprint: StrictStr | None = None
+
+
+class _TeacherList(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    teachers: list[_ListedTeacher]
+
+
 def read_teacher_list(folder: Path) -> list[TeacherIdentity]:
     """Reads the teacher list recorded in a training checkpoint folder.
 
@@ -141,11 +159,15 @@ def read_teacher_list(folder: Path) -> list[TeacherIdentity]:
     """
     path = folder / TEACHER_LIST_FILE
     try:
-        entries = json.loads(path.read_text())["teachers"]
-        return [TeacherIdentity(int(e["index"]), str(e["checkpoint"]), e.get("fingerprint")) for e in entries]
+        raw = read_json(path, what="teacher list", error=ManifestError)
     except FileNotFoundError as err:
         raise ManifestError(
             f"{path} not found: {folder} is not a mopd training checkpoint (it records no teacher list)"
         ) from err
-    except (ValueError, KeyError, TypeError) as err:
-        raise ManifestError(f"{path}: malformed teacher list ({err})") from err
+    try:
+        listed = _TeacherList.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = describe_location(first["loc"])
+        raise ManifestError(f"{path}: malformed teacher list: {where}: {first['msg']}") from err
+    return [TeacherIdentity(t.index, t.checkpoint, t.fingerprint) for t in listed.teachers]

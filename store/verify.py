@@ -1,50 +1,63 @@
 """`verify-manifest`: every way store, config and training checkpoint disagree, one line each.
 
 Never writes: it works on a read-only store. Quick mode checks that every recorded file exists with its
-recorded size and that arrays have their recorded shapes; `full=True` also re-hashes every byte.
+recorded size and that arrays have the shapes and dtypes `layout.py` declares; `full=True` also
+re-hashes every byte (on parallel threads).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mopd.store.arrays import open_array
+from mopd.store.arrays import open_array, storage_dtype
+from mopd.store.completion import check_complete
 from mopd.store.config import MopdConfig
 from mopd.store.errors import ConfigError, MopdError
-from mopd.store.fingerprint import checkpoint_fingerprint
+from mopd.store.fingerprint import fingerprint_for_format
 from mopd.store.fsio import is_temporary, safe_join, sha256_file
-from mopd.store.manifest import PARTS_DIR, ArtifactRecord, Manifest, artifact_hash, load_part
+from mopd.store.layout import artifact_arrays
+from mopd.store.manifest import PARTS_DIR, ArtifactRecord, Manifest, TeacherEntry, artifact_hash, load_part
 from mopd.store.reader import read_manifest
 from mopd.store.teachers import (
     TeacherIdentity,
+    TeacherSlot,
     assign_teacher_indices,
     diff_teacher_lists,
     read_teacher_list,
 )
 
 
-def _check_artifact(root: Path, artifact: ArtifactRecord, *, full: bool) -> list[str]:
+def _check_artifact(
+    root: Path, manifest: Manifest, artifact: ArtifactRecord
+) -> tuple[list[str], list[tuple[Path, str, str]]]:
+    """Problems of one task folder, and (file, recorded sha256, where) for a full check to hash."""
     try:
         folder = safe_join(root, artifact.path)
     except MopdError as err:
-        return [str(err)]
+        return [str(err)], []
     if not folder.exists():
-        return [f"{artifact.path}: missing ({artifact.kind} of task {artifact.task_id} was deleted)"]
+        return [f"{artifact.path}: missing ({artifact.kind} of task {artifact.task_id} was deleted)"], []
     part_path = root / PARTS_DIR / f"{artifact.task_id}.json"
+    where = part_path.relative_to(root)
     if not part_path.exists():
-        return [f"{part_path.relative_to(root)}: part record of task {artifact.task_id} is missing"]
+        return [f"{where}: part record of task {artifact.task_id} is missing"], []
     if sha256_file(part_path) != artifact.part_sha256:
-        return [f"{part_path.relative_to(root)}: part record changed since the manifest was written"]
-    part = load_part(part_path)
+        return [f"{where}: part record changed since the manifest was written"], []
+    try:
+        part = load_part(part_path, format_version=manifest.format_version)
+    except MopdError as err:
+        return [str(err)], []
     if artifact_hash(part.files) != artifact.hash:
-        return [f"{part_path.relative_to(root)}: file list does not match the manifest's hash"]
-    problems = []
+        return [f"{where}: file list does not match the manifest's hash"], []
+    problems, to_hash = [], []
     for rel, (size, digest) in part.files.items():
         try:
             path = safe_join(folder, rel)
         except MopdError as err:
-            problems.append(f"{part_path.relative_to(root)}: {err}")
+            problems.append(f"{where}: {err}")
             continue
         if not path.is_file():
             problems.append(f"{artifact.path}/{rel}: missing")
@@ -52,50 +65,43 @@ def _check_artifact(root: Path, artifact: ArtifactRecord, *, full: bool) -> list
             problems.append(
                 f"{artifact.path}/{rel}: {path.stat().st_size} bytes, recorded {size} (truncated?)"
             )
-        elif full and sha256_file(path) != digest:
-            problems.append(f"{artifact.path}/{rel}: content changed (sha256 differs from the record)")
+        else:
+            to_hash.append((path, digest, f"{artifact.path}/{rel}"))
     for folder_name, dirs, files in os.walk(folder):
         dirs[:] = [d for d in dirs if not is_temporary(d)]
         for name in files:
             rel = (Path(folder_name) / name).relative_to(folder).as_posix()
             if rel not in part.files and not is_temporary(name):
                 problems.append(f"{artifact.path}/{rel}: unexpected file, not in the part record")
-    return problems
+    return problems, to_hash
+
+
+def _hash_problems(files: list[tuple[Path, str, str]], threads: int) -> Iterator[str]:
+    """Files whose content no longer has its recorded sha256 (hashed on `threads` threads)."""
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        digests = pool.map(lambda item: sha256_file(item[0]), files)
+        for (_path, recorded, where), found in zip(files, digests, strict=True):
+            if found != recorded:
+                yield f"{where}: content changed (sha256 differs from the record)"
 
 
 def _check_shapes(root: Path, manifest: Manifest) -> list[str]:
     problems = []
-    rows = manifest.rows
-    expected: dict[str, tuple[int, ...]] = {
-        "offsets": (manifest.dataset.num_rows + 1,),
-        "teacher_index": (manifest.dataset.num_rows,),
-        "input_ids": (manifest.dataset.num_tokens,),
-        "loss_mask": (manifest.dataset.num_tokens,),
-    }
-    hidden = {t.index: t.hidden_size for t in manifest.teachers}
-    vocab = {t.index: t.vocab_size for t in manifest.teachers}
-    checks: list[tuple[str, str, tuple[int, ...]]] = [
-        (rows.path, name, shape) for name, shape in expected.items()
-    ]
-    checks += [(a.path, "", (vocab[a.teacher or 0], hidden[a.teacher or 0])) for a in manifest.lm_heads]
-    for shard in manifest.shards:
-        checks += [
-            (shard.path, "hidden", (shard.tokens, hidden[shard.teacher or 0])),
-            (shard.path, "offsets", (shard.rows + 1,)),
-            (shard.path, "row_ids", (shard.rows,)),
-        ]
-    for folder, name, shape in checks:
-        path = root / folder / name if name else root / folder
-        where = f"{folder}/{name}" if name else folder
-        if not (path / "zarr.json").exists():
-            continue  # reported as a missing file or folder already
-        try:
-            found = open_array(path).shape
-        except Exception as err:
-            problems.append(f"{where}: unreadable array metadata ({err})")
-            continue
-        if tuple(found) != shape:
-            problems.append(f"{where}: shape {tuple(found)}, recorded {shape}")
+    for artifact in manifest.artifacts():
+        for array in artifact_arrays(artifact, manifest):
+            path = root / artifact.path / array.name if array.name else root / artifact.path
+            where = f"{artifact.path}/{array.name}".rstrip("/")
+            if not (path / "zarr.json").exists():
+                continue  # reported as a missing file or folder already
+            try:
+                found = open_array(path)
+            except Exception as err:
+                problems.append(f"{where}: unreadable array metadata ({err})")
+                continue
+            if tuple(found.shape) != array.shape:
+                problems.append(f"{where}: shape {tuple(found.shape)}, recorded {array.shape}")
+            elif array.dtype != "string" and found.dtype != storage_dtype(array.dtype):
+                problems.append(f"{where}: dtype {found.dtype}, the layout says {array.dtype}")
     return problems
 
 
@@ -103,23 +109,76 @@ def store_teachers(manifest: Manifest) -> list[TeacherIdentity]:
     return [TeacherIdentity(t.index, t.checkpoint, t.fingerprint) for t in manifest.teachers]
 
 
-def config_teachers(config: MopdConfig) -> tuple[list[TeacherIdentity], list[str]]:
-    """The config's teacher list, fingerprinted where the checkpoint is reachable; plus warnings."""
-    teachers, warnings = [], []
+def _config_fingerprints(config: MopdConfig, format_version: int) -> tuple[dict[str, str | None], list[str]]:
+    """The fingerprint of each configured checkpoint that is reachable here (None elsewhere), as the
+    store's format defines fingerprints; plus warnings."""
+    found: dict[str, str | None] = {}
+    warnings = []
     for slot in assign_teacher_indices(config.teachers):
-        fingerprint = None
-        if Path(slot.checkpoint).is_dir():
-            try:
-                fingerprint = checkpoint_fingerprint(slot.checkpoint)
-            except ConfigError as err:
-                warnings.append(f"cannot fingerprint teacher {slot.index}: {err}")
-        else:
-            warnings.append(
-                f"teacher {slot.index} checkpoint {slot.checkpoint} is not reachable here; "
-                "compared by path only"
+        found[slot.checkpoint] = None
+        if not Path(slot.checkpoint).is_dir():
+            warnings.append(f"checkpoint {slot.checkpoint} is not reachable here; compared by path only")
+            continue
+        try:
+            found[slot.checkpoint] = fingerprint_for_format(slot.checkpoint, format_version)
+        except ConfigError as err:
+            warnings.append(f"cannot fingerprint {slot.checkpoint}: {err}")
+    return found, warnings
+
+
+def check_config(manifest: Manifest, config: MopdConfig) -> tuple[list[str], list[str]]:
+    """The config's teachers are the store's: the same bytes at the same index, and every alias both
+    name points at the same teacher (renaming aliases is fine; swapping two is not).
+
+    Returns:
+        (problems, warnings).
+    """
+    fingerprints, warnings = _config_fingerprints(config, manifest.format_version)
+    slots = assign_teacher_indices(config.teachers)
+    stored = {t.index: t for t in manifest.teachers}
+
+    def same(teacher: TeacherEntry, slot: TeacherSlot) -> bool:
+        found = fingerprints[slot.checkpoint]
+        return found == teacher.fingerprint if found is not None else slot.checkpoint == teacher.checkpoint
+
+    match = {slot.index: next((t.index for t in manifest.teachers if same(t, slot)), None) for slot in slots}
+    matched = set(match.values())
+    problems = []
+    for slot in slots:
+        teacher = stored.get(slot.index)
+        if match[slot.index] is None and teacher is not None and teacher.index not in matched:
+            problems.append(
+                f"teacher {slot.index} ({', '.join(sorted(set(teacher.aliases) | set(slot.aliases)))}): the "
+                f"store's is {teacher.checkpoint} with fingerprint {teacher.fingerprint}; the config's is "
+                f"{slot.checkpoint} with fingerprint {fingerprints[slot.checkpoint] or 'unknown'}: a "
+                "different teacher"
             )
-        teachers.append(TeacherIdentity(slot.index, slot.checkpoint, fingerprint))
-    return teachers, warnings
+            matched.add(teacher.index)
+        elif match[slot.index] is None:
+            problems.append(
+                f"teacher {slot.index} ({slot.checkpoint}; aliases {', '.join(slot.aliases)}) is added in "
+                "the config; the store does not have it"
+            )
+        elif match[slot.index] != slot.index:
+            problems.append(
+                f"teacher {slot.checkpoint} is renumbered: index {match[slot.index]} in the store, "
+                f"{slot.index} in the config"
+            )
+    for teacher in manifest.teachers:
+        if teacher.index not in matched:
+            problems.append(
+                f"teacher {teacher.index} ({teacher.checkpoint}; aliases {', '.join(teacher.aliases)}) is in "
+                "the store but dropped from the config"
+            )
+    for slot in slots:
+        for alias in slot.aliases:
+            teacher = next((t for t in manifest.teachers if alias in t.aliases), None)
+            if teacher is not None and match[slot.index] not in (None, teacher.index):
+                problems.append(
+                    f"alias {alias} names teacher {teacher.index} ({teacher.checkpoint}) in the store, but "
+                    f"{slot.checkpoint} (the store's teacher {match[slot.index]}) in the config"
+                )
+    return problems, warnings
 
 
 def verify_store(
@@ -128,6 +187,7 @@ def verify_store(
     config: MopdConfig | None = None,
     checkpoint: str | Path | None = None,
     full: bool = False,
+    threads: int | None = None,
 ) -> tuple[list[str], list[str]]:
     """Checks a store, and optionally a config and a training checkpoint against it.
 
@@ -141,19 +201,30 @@ def verify_store(
         return [str(err)], []
     problems: list[str] = []
     warnings: list[str] = []
+    to_hash: list[tuple[Path, str, str]] = []
     for artifact in manifest.artifacts():
-        problems += _check_artifact(root, artifact, full=full)
+        found, files = _check_artifact(root, manifest, artifact)
+        problems += found
+        to_hash += files
+    if full:
+        problems += _hash_problems(to_hash, threads or min(8, os.cpu_count() or 1))
     problems += _check_shapes(root, manifest)
-    expected = store_teachers(manifest)
     if config is not None:
-        found, config_warnings = config_teachers(config)
+        found, config_warnings = check_config(manifest, config)
+        problems += found
         warnings += config_warnings
-        problems += diff_teacher_lists(expected, found, expected_name="store", found_name="config")
     if checkpoint is not None:
-        try:
-            recorded = read_teacher_list(Path(checkpoint))
-        except MopdError as err:
-            problems.append(str(err))
-        else:
-            problems += diff_teacher_lists(expected, recorded, expected_name="store", found_name="checkpoint")
+        problems += check_checkpoint(Path(checkpoint), manifest)
     return problems, warnings
+
+
+def check_checkpoint(folder: Path, manifest: Manifest) -> list[str]:
+    """A training checkpoint is complete and unchanged, and numbers the teachers as the store does."""
+    try:
+        problems = check_complete(folder)
+        recorded = read_teacher_list(folder)
+    except MopdError as err:
+        return [str(err)]
+    return problems + diff_teacher_lists(
+        store_teachers(manifest), recorded, expected_name="store", found_name="checkpoint"
+    )

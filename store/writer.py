@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from mopd.store import faults
 from mopd.store.arrays import ChunkAppender, create_array, write_array, write_strings
 from mopd.store.errors import ManifestError, StoreIntegrityError
 from mopd.store.finalize import build_manifest, publish_manifest
@@ -29,10 +30,13 @@ from mopd.store.fsio import (
     unique_temp_name,
     write_replace,
 )
+from mopd.store.layout import ArraySpec
 from mopd.store.manifest import (
     MANIFEST_FILE,
     PARTS_DIR,
     PLAN_FILE,
+    HeadInfo,
+    HeadTask,
     Manifest,
     PartRecord,
     Plan,
@@ -49,64 +53,55 @@ _GROUP_JSON = canonical_json({"attributes": {}, "node_type": "group", "zarr_form
 class TaskOutput:
     """The temporary folder of one running task and the arrays written into it."""
 
-    def __init__(self, spec: TaskSpec, folder: Path, storage_chunk_bytes: int, codec: str) -> None:
+    def __init__(self, spec: TaskSpec, folder: Path, storage: Any) -> None:
         self.spec = spec
         self.folder = folder
         self.num_rows = 0
         self.num_tokens = 0
-        self.info: dict[str, Any] = {}
-        self._chunk_bytes = storage_chunk_bytes
-        self._codec = codec
+        self.head: HeadInfo | None = None  # what an LM-head task measured of its teacher
+        self._chunk_bytes = storage.chunk_bytes
+        self._codec = storage.codec
+        self._checksum = storage.checksum is not None
         self._appenders: list[ChunkAppender] = []
 
-    def _array_path(self, name: str) -> Path:
-        # The lm_head task's folder is itself the array; other tasks hold named arrays in a group.
-        return self.folder if name == "" else self.folder / name
+    def _array_path(self, array: ArraySpec) -> Path:
+        return self.folder / array.name if array.name else self.folder
 
-    def appender(
-        self,
-        name: str,
-        *,
-        shape: tuple[int, ...],
-        dtype: str,
-        attributes: dict[str, Any] | None = None,
-        codec: str | None = None,
-    ) -> ChunkAppender:
-        """Creates array `name` (`""` for the folder itself) and returns its streaming writer."""
-        path = self._array_path(name)
+    def appender(self, array: ArraySpec, *, attributes: dict[str, Any] | None = None) -> ChunkAppender:
+        """Creates `array` and returns its streaming writer."""
+        path = self._array_path(array)
         create_array(
             path,
-            shape=shape,
-            dtype=dtype,
+            shape=array.shape,
+            dtype=array.dtype,
             chunk_bytes=self._chunk_bytes,
-            codec=codec or self._codec,
+            codec=self._codec,
+            checksum=self._checksum,
             attributes=attributes,
         )
-        appender = ChunkAppender(path, total_rows=shape[0])
+        appender = ChunkAppender(path, total_rows=array.shape[0])
         self._appenders.append(appender)
         return appender
 
-    def write(
-        self,
-        name: str,
-        data: np.ndarray,
-        *,
-        dtype: str | None = None,
-        attributes: dict[str, Any] | None = None,
-        codec: str | None = None,
-    ) -> None:
-        """Creates array `name` holding `data` (small arrays; big ones use `appender`)."""
+    def write(self, array: ArraySpec, data: np.ndarray) -> None:
+        """Creates `array` holding `data` (small arrays; big ones use `appender`)."""
+        if data.shape != array.shape or data.dtype != np.dtype(array.dtype):
+            raise ValueError(
+                f"{array.name}: got {data.dtype}{list(data.shape)}, the layout says "
+                f"{array.dtype}{list(array.shape)}"
+            )
         write_array(
-            self._array_path(name),
+            self._array_path(array),
             data,
-            logical_dtype=dtype,
             chunk_bytes=self._chunk_bytes,
-            codec=codec or self._codec,
-            attributes=attributes,
+            codec=self._codec,
+            checksum=self._checksum,
         )
 
-    def write_strings(self, name: str, values: list[str]) -> None:
-        write_strings(self._array_path(name), values)
+    def write_strings(self, array: ArraySpec, values: list[str]) -> None:
+        if (len(values),) != array.shape:
+            raise ValueError(f"{array.name}: {len(values)} strings, the layout says {array.shape[0]}")
+        write_strings(self._array_path(array), values, checksum=self._checksum)
 
     def close(self) -> None:
         for appender in self._appenders:
@@ -183,21 +178,26 @@ class StoreWriter:
         final = safe_join(self.root, spec.path)
         temp = unique_temp_name(final)
         temp.mkdir(parents=True)
-        output = TaskOutput(spec, temp, self.plan.storage.chunk_bytes, self.plan.storage.codec)
+        output = TaskOutput(spec, temp, self.plan.storage)
         try:
             yield output
             output.close()
-            if spec.kind != "lm_head":
+            if not isinstance(spec, HeadTask):  # a head's folder is an array, the others are groups
                 (temp / "zarr.json").write_bytes(_GROUP_JSON)
+            faults.point("task-written")
+            files = file_digests(temp)
+            published = publish_dir(temp, final, what="task")
         except BaseException:
+            # The folder is this call's alone, and a rename either happened or did not: safe to remove.
             shutil.rmtree(temp, ignore_errors=True)
             raise
-        self._publish(output, final)
+        self._record(output, files, published, final)
 
-    def _publish(self, output: TaskOutput, final: Path) -> None:
+    def _record(
+        self, output: TaskOutput, files: dict[str, tuple[int, str]], published: bool, final: Path
+    ) -> None:
         spec, temp = output.spec, output.folder
-        files = file_digests(temp)
-        if not publish_dir(temp, final):
+        if not published:
             # Another job published this task first. Same bytes: adopt its folder. Otherwise refuse,
             # and leave both folders for a person to inspect (never clean up on doubt).
             theirs = file_digests(final)
@@ -211,19 +211,15 @@ class StoreWriter:
         part = PartRecord(
             task_id=spec.task_id,
             identity=self.identity,
-            kind=spec.kind,
-            path=spec.path,
-            teacher=spec.teacher,
-            shard=spec.shard,
             num_rows=output.num_rows,
             num_tokens=output.num_tokens,
             bytes=sum(size for size, _ in files.values()),
             hash=artifact_hash(files),
             files=files,
-            info=output.info,
+            head=output.head,
         )
         path = self.part_path(spec.task_id)
-        if not create_exclusive(path, canonical_json(part.model_dump(mode="json"))):
+        if not create_exclusive(path, canonical_json(part.model_dump(mode="json")), what="part"):
             existing = load_part(path)
             self._check_part(existing, path)
             if existing.hash != part.hash:
@@ -247,15 +243,24 @@ class StoreWriter:
 
 def _describe_plan_mismatch(root: Path, existing: Plan, new: Plan) -> str:
     differences = []
+    if existing.format_version != new.format_version:
+        differences.append(f"store format version {existing.format_version} vs {new.format_version}")
     if existing.dataset != new.dataset:
         differences.append(
             f"dataset {existing.dataset.source} ({existing.dataset.num_rows} rows) vs "
             f"{new.dataset.source} ({new.dataset.num_rows} rows)"
         )
-    old_teachers = [(t.checkpoint, t.fingerprint) for t in existing.teachers]
-    new_teachers = [(t.checkpoint, t.fingerprint) for t in new.teachers]
-    if old_teachers != new_teachers:
-        differences.append(f"teachers {[c for c, _ in old_teachers]} vs {[c for c, _ in new_teachers]}")
+    old_teachers = {t.checkpoint: t for t in existing.teachers}
+    for teacher in new.teachers:
+        old = old_teachers.get(teacher.checkpoint)
+        if old is not None and old.fingerprint != teacher.fingerprint:
+            differences.append(
+                f"teacher {', '.join(teacher.aliases)} ({teacher.checkpoint}) changed since the store was "
+                f"started: fingerprint {old.fingerprint} in the store, {teacher.fingerprint} now — restore "
+                "that checkpoint, or start a new store"
+            )
+    if sorted(old_teachers) != sorted(t.checkpoint for t in new.teachers):
+        differences.append(f"teachers {sorted(old_teachers)} vs {sorted(t.checkpoint for t in new.teachers)}")
     old_backends = sorted({t.backend for t in existing.teachers})
     new_backends = sorted({t.backend for t in new.teachers})
     if old_backends != new_backends:

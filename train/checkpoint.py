@@ -4,9 +4,11 @@
         model/                  the student as a transformers checkpoint (config + safetensors)
         optimizer.safetensors   AdamW moments and step counts, keyed "<param position>.<name>"
         rng.safetensors         torch RNG states
-        state.json              step, loader state, optimizer hyper-parameters, scheduler state, layout
+        state.json              step, loader state, optimizer hyper-parameters, scheduler state, layout,
+                                and the run record: the store and every setting the run was trained with
         teachers.json           the store's teacher list: index, checkpoint, fingerprint
-        COMPLETE                written last; a folder without it is not a checkpoint
+        COMPLETE                written last: lists every other file with its size and sha256; a folder
+                                without it is not a checkpoint, a file that differs from it is named
 
 A megatron student writes one shard per tensor-parallel slice and pipeline stage instead:
 `model/tpXX-ppYY.safetensors` (its Megatron parameter names; the first shard adds the student's config
@@ -15,8 +17,8 @@ transformers checkpoint. The layout (backend, tp, pp) is in state.json, and a ru
 checkpoint of its own layout.
 
 A checkpoint is written under a temporary name, fsynced, and published by a rename, so a crash leaves
-either nothing or a complete checkpoint. Retention deletes only older complete checkpoints, never the
-newest one.
+either nothing or a complete checkpoint; the temporaries of killed saves are removed when the run
+resumes. Retention deletes only older complete checkpoints, never the newest one.
 """
 
 from __future__ import annotations
@@ -28,19 +30,22 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from safetensors.torch import load_file, save_file
 
-from mopd.store.errors import ConfigError, MopdError
+from mopd.store import faults
+from mopd.store.completion import COMPLETE, check_complete, write_complete
+from mopd.store.errors import CheckpointError, ConfigError, MopdError
 from mopd.store.fsio import is_temporary, publish_dir, unique_temp_name, write_replace
+from mopd.store.jsonio import describe_location, read_json
 from mopd.store.teachers import TeacherIdentity, write_teacher_list
 from mopd.train.data_order import LoaderState
 from mopd.train.distributed import DataParallel
 from mopd.train.student import TrainStudent
 
-COMPLETE = "COMPLETE"
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
@@ -89,13 +94,15 @@ def save_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     loader: LoaderState,
     teachers: Sequence[TeacherIdentity],
+    run: dict[str, Any],
     keep: int,
     world: DataParallel | None = None,
 ) -> Path:
     """Writes and publishes the checkpoint of `step`, then drops complete ones older than the last `keep`.
 
     Every rank of `world` calls it: the ranks that write a shard (`student.writes_checkpoint_shard`)
-    write it into the temporary folder rank 0 made, and rank 0 publishes once they all have.
+    write it into the temporary folder rank 0 made, and rank 0 publishes once they all have. `run` is
+    the run record (`run_record.run_record`) a resume must match.
     """
     world = world or DataParallel()
     final = root / checkpoint_name(step)
@@ -107,15 +114,19 @@ def save_checkpoint(
     temp = Path(world.broadcast_object(str(made)))
     try:
         if student.writes_checkpoint_shard:
-            student.save(temp / "model")
-            save_file(_optimizer_tensors(optimizer), str(temp / optimizer_file(student.shard)))
+            with faults.io("write", temp / "model"):
+                student.save(temp / "model")
+            optimizer_path = temp / optimizer_file(student.shard)
+            with faults.io("write", optimizer_path):
+                save_file(_optimizer_tensors(optimizer), str(optimizer_path))
         world.barrier()
         if world.rank == 0:
-            _write_run_state(temp, step, student.layout, optimizer, scheduler, loader, teachers)
+            _write_run_state(temp, step, student.layout, optimizer, scheduler, loader, teachers, run)
+            faults.point("checkpoint-written")
             if final.exists() and not (final / COMPLETE).exists():
                 # A folder without its marker is not a checkpoint; move it aside (a temporary: garbage).
                 final.rename(unique_temp_name(final))
-            if not publish_dir(temp, final):
+            if not publish_dir(temp, final, what="checkpoint"):
                 raise MopdError(
                     f"checkpoint {final} already exists; another run writes into this output folder"
                 )
@@ -125,6 +136,7 @@ def save_checkpoint(
         raise
     if world.rank == 0:
         _retain(root, step, keep)
+        faults.point("checkpoint-retained")
     world.barrier()
     return final
 
@@ -137,22 +149,25 @@ def _write_run_state(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     loader: LoaderState,
     teachers: Sequence[TeacherIdentity],
+    run: dict[str, Any],
 ) -> None:
     """The files every rank shares: RNG, state.json, the teacher list, then the COMPLETE marker."""
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng |= {f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
-    save_file(rng, str(folder / "rng.safetensors"))
+    with faults.io("write", folder / "rng.safetensors"):
+        save_file(rng, str(folder / "rng.safetensors"))
     state = {
         "step": step,
         "loader": loader.to_dict(),
         "param_groups": optimizer.state_dict()["param_groups"],
         "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
         "layout": layout,
+        "run": run,
     }
     write_replace(folder / "state.json", json.dumps(state, indent=2, sort_keys=True).encode())
     write_teacher_list(folder, teachers)
-    write_replace(folder / COMPLETE, json.dumps({"step": step, "time": time.time()}).encode())
+    write_complete(folder, {"step": step, "time": time.time()})
 
 
 def _retain(root: Path, step: int, keep: int) -> None:
@@ -164,16 +179,73 @@ def _retain(root: Path, step: int, keep: int) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def remove_temporaries(root: Path) -> list[str]:
+    """Removes what killed saves left under `root` (folders never published); returns their names.
+
+    Only the run that owns the output folder calls it, before it writes anything.
+    """
+    if not root.is_dir():
+        return []
+    stale = sorted(p.name for p in root.iterdir() if is_temporary(p.name))
+    for name in stale:
+        shutil.rmtree(root / name, ignore_errors=True)
+    return stale
+
+
 def read_state(folder: Path) -> dict[str, Any]:
-    """A complete checkpoint's state.json (a checkpoint from before layouts were recorded is hf's)."""
+    """A complete checkpoint's state.json.
+
+    Raises:
+        CheckpointError: no COMPLETE marker, or state.json unreadable or malformed.
+    """
     if not (folder / COMPLETE).exists():
-        raise ConfigError(f"{folder} is not a complete checkpoint (no {COMPLETE} marker)")
+        raise CheckpointError(f"{folder} is not a complete checkpoint (no {COMPLETE} marker)")
+    path = folder / "state.json"
     try:
-        state: dict[str, Any] = json.loads((folder / "state.json").read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"{folder}/state.json is unreadable: {err}") from err
-    state.setdefault("layout", {"backend": "hf"})
-    return state
+        raw = read_json(path, what="checkpoint state", error=CheckpointError)
+    except FileNotFoundError as err:
+        raise CheckpointError(f"{path} is missing") from err
+    try:
+        return _State.model_validate(raw).model_dump()
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = describe_location(first["loc"])
+        raise CheckpointError(f"{path}: malformed checkpoint state: {where}: {first['msg']}") from err
+
+
+Count = Annotated[StrictInt, Field(ge=0)]
+
+
+class _Loader(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    seed: StrictInt
+    epoch: Count
+    step_in_epoch: Count
+
+
+class _State(BaseModel):
+    """state.json as a resume reads it (the optimizer's own fields are torch's to check)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: Count
+    loader: _Loader
+    param_groups: list[dict[str, Any]]
+    scheduler: dict[str, Any]
+    layout: dict[str, Any] = {"backend": "hf"}
+    run: dict[str, Any] = {}
+
+
+def check_checkpoint_files(folder: Path) -> None:
+    """Refuses a checkpoint any file of which is missing, truncated or changed since it was written.
+
+    Raises:
+        CheckpointError: naming each such file.
+    """
+    problems = check_complete(folder)
+    if problems:
+        raise CheckpointError(f"checkpoint {folder} is damaged:\n  " + "\n  ".join(problems))
 
 
 def load_checkpoint(
@@ -186,28 +258,12 @@ def load_checkpoint(
     """Restores model, optimizer, scheduler and RNG from `folder`; returns the step and loader state.
 
     Raises:
-        ConfigError: not a complete checkpoint, or one of another layout than `student`'s.
+        ConfigError: a checkpoint of another layout than `student`'s.
+        CheckpointError: not a complete checkpoint, or a damaged one.
     """
     state = read_state(folder)
-    if state["layout"] != student.layout:
-        raise ConfigError(
-            f"cannot resume from {folder}: it was written by a {describe_layout(state['layout'])} student, "
-            f"this run is {describe_layout(student.layout)} (train.backend, train.parallel); resume with "
-            "the checkpoint's layout, or `mopd export-hf` it and start a new run from the exported student"
-        )
-    student.load_weights(folder / "model")
-    tensors = load_file(str(folder / optimizer_file(student.shard)))
-    slots: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        position, name = key.split(".", 1)
-        slots.setdefault(int(position), {})[name] = value
-    # Hyper-parameters from the run, parameter positions from this rank's own optimizer (its shard's).
-    own = optimizer.state_dict()["param_groups"]
-    groups = [
-        {**g, "params": mine["params"], **({"betas": tuple(g["betas"])} if "betas" in g else {})}
-        for g, mine in zip(state["param_groups"], own, strict=True)
-    ]
-    optimizer.load_state_dict({"state": slots, "param_groups": groups})
+    check_layout(folder, state, student, doing="resume from")
+    load_weights(folder, student, optimizer, hyper_parameters=True)
     scheduler.load_state_dict({**state["scheduler"], "lr_lambdas": [None] * len(optimizer.param_groups)})
     rng = load_file(str(folder / "rng.safetensors"))
     torch.set_rng_state(rng["cpu"])
@@ -216,3 +272,42 @@ def load_checkpoint(
         if cuda:
             torch.cuda.set_rng_state_all(cuda)
     return ResumePoint(step=int(state["step"]), loader=LoaderState.from_dict(state["loader"]))
+
+
+def check_layout(folder: Path, state: dict[str, Any], student: TrainStudent, *, doing: str) -> None:
+    """Refuses a checkpoint written by a student of another backend or tensor × pipeline layout."""
+    if state["layout"] != student.layout:
+        raise ConfigError(
+            f"cannot {doing} {folder}: it was written by a {describe_layout(state['layout'])} student, "
+            f"this run is {describe_layout(student.layout)} (train.backend, train.parallel); use the "
+            "checkpoint's layout, or `mopd export-hf` it and start a new run from the exported student"
+        )
+
+
+def load_weights(
+    folder: Path,
+    student: TrainStudent,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    hyper_parameters: bool,
+) -> None:
+    """The student's weights and, given an optimizer, its AdamW moments and step counts; with
+    `hyper_parameters` also the checkpoint's learning rate and the rest (a resume), else the optimizer
+    keeps its own (a new run started from the checkpoint)."""
+    student.load_weights(folder / "model")
+    if optimizer is None:
+        return
+    state = read_state(folder)
+    tensors = load_file(str(folder / optimizer_file(student.shard)))
+    slots: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        position, name = key.split(".", 1)
+        slots.setdefault(int(position), {})[name] = value
+    # Hyper-parameters from the run, parameter positions from this rank's own optimizer (its shard's).
+    own = optimizer.state_dict()["param_groups"]
+    saved = state["param_groups"] if hyper_parameters else own
+    groups = [
+        {**g, "params": mine["params"], **({"betas": tuple(g["betas"])} if "betas" in g else {})}
+        for g, mine in zip(saved, own, strict=True)
+    ]
+    optimizer.load_state_dict({"state": slots, "param_groups": groups})

@@ -121,8 +121,16 @@ class HFStudent:
         self.checkpoint = Path(checkpoint)
         if not self.checkpoint.is_dir():
             raise ConfigError(f"train.student: {self.checkpoint} is not a checkpoint folder")
-        with _quiet():
-            self.model = AutoModelForCausalLM.from_pretrained(self.checkpoint, dtype=dtype)
+        try:
+            with _quiet():  # safetensors only: a pickled checkpoint could run code when loaded
+                self.model = AutoModelForCausalLM.from_pretrained(
+                    self.checkpoint, dtype=dtype, use_safetensors=True
+                )
+        except (OSError, ValueError) as err:
+            raise ConfigError(
+                f"train.student: {self.checkpoint} cannot be loaded ({' '.join(str(err).split())}); mopd "
+                "loads safetensors weights only (save the student with save_pretrained)"
+            ) from err
         torch.nn.Module.to(self.model, device)
         self.model.train()
         transform = LogitTransform.from_model_config(self.model.config)

@@ -27,11 +27,21 @@ import torch
 
 from mopd.store.config import MopdConfig, TrainConfig
 from mopd.store.devices import resolve_device
-from mopd.store.errors import ConfigError, ManifestError, MopdError
+from mopd.store.errors import CheckpointError, ConfigError, ManifestError, MopdError
 from mopd.store.manifest import Manifest
 from mopd.store.reader import TeacherStore, open_store
 from mopd.store.teachers import TeacherIdentity, diff_teacher_lists, read_teacher_list
-from mopd.train.checkpoint import ResumePoint, complete_checkpoints, load_checkpoint, save_checkpoint
+from mopd.train.checkpoint import (
+    ResumePoint,
+    check_checkpoint_files,
+    check_layout,
+    complete_checkpoints,
+    load_checkpoint,
+    load_weights,
+    read_state,
+    remove_temporaries,
+    save_checkpoint,
+)
 from mopd.train.data_order import LoaderState, rank_microbatches
 from mopd.train.distributed import DataParallel
 from mopd.train.export import export_hf
@@ -39,6 +49,7 @@ from mopd.train.heads import TeacherHeads
 from mopd.train.loader import MicroBatch, Step, StoreLoader, read_microbatch
 from mopd.train.metrics import PLOT_FILE, MetricsLog, plot_metrics, step_line
 from mopd.train.objective import Objective, StepStats, teacher_weights
+from mopd.train.run_record import diff_run_records, run_record
 from mopd.train.student import HFStudent, TrainStudent
 
 Log = Callable[[str], None]
@@ -108,6 +119,8 @@ class Trainer:
         self.output = Path(output or tc.output_dir)
         torch.manual_seed(tc.seed)
         self.store: TeacherStore = open_store(store_path or config.store.path)
+        if self.store.format_note:
+            self.log(f"note: {self.store.format_note}")
         manifest = self.store.manifest
         self.student = self._load_student(tc)
         try:
@@ -156,6 +169,7 @@ class Trainer:
             self.optimizer, lambda s: lr_factor(s, warmup=tc.optim.warmup_steps, total=tc.steps)
         )
         self.teacher_list = [TeacherIdentity(t.index, t.checkpoint, t.fingerprint) for t in manifest.teachers]
+        self.run_record = run_record(tc, manifest, data_parallel_size=self.replicas.size)
 
     def _load_student(self, tc: TrainConfig) -> TrainStudent:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[tc.dtype]
@@ -192,6 +206,11 @@ class Trainer:
         return self.output / "checkpoints"
 
     def _resume_point(self, resume: bool | None) -> ResumePoint | None:
+        if self.world.rank == 0:
+            stale = remove_temporaries(self.checkpoint_root)
+            if stale:
+                self.log(f"removed {len(stale)} unfinished checkpoint save(s): {', '.join(stale)}")
+        self.world.barrier()
         found = complete_checkpoints(self.checkpoint_root)
         if not found:
             return None
@@ -201,22 +220,44 @@ class Trainer:
                 f"{self.output} already holds checkpoints (latest {latest.name}); pass --resume to continue "
                 "that run, or choose another --output"
             )
+        check_checkpoint_files(latest)
         problems = diff_teacher_lists(self.teacher_list, read_teacher_list(latest))
         if problems:
             raise ManifestError(
                 f"cannot resume from {latest}: its teacher list differs from the store {self.store.root}:\n  "
                 + "\n  ".join(problems)
             )
+        state = read_state(latest)
+        check_layout(latest, state, self.student, doing="resume from")
+        changed = diff_run_records(state.get("run", {}), self.run_record)
+        if changed:
+            raise CheckpointError(
+                f"cannot resume from {latest}: it was trained on another store or with other settings:\n  "
+                + "\n  ".join(changed)
+                + "\nrestore them, or start a new run from that checkpoint with `train.init_from`"
+            )
         point = load_checkpoint(
             latest, student=self.student, optimizer=self.optimizer, scheduler=self.scheduler
         )
-        if point.loader.seed != self.tc.seed:
-            raise ConfigError(
-                f"train.seed is {self.tc.seed}, the checkpoint {latest} was trained with seed "
-                f"{point.loader.seed}; the data order would change — restore the seed or start a new run"
-            )
         self.log(f"resuming from {latest} (step {point.step})")
         return point
+
+    def _start_from(self) -> None:
+        """A new run that starts from `train.init_from`'s weights (and optionally optimizer state)."""
+        init = self.tc.init_from
+        if init is None:
+            return
+        folder = Path(init.checkpoint)
+        if not (folder / "state.json").exists():
+            found = complete_checkpoints(folder / "checkpoints") or complete_checkpoints(folder)
+            if not found:
+                raise ConfigError(f"train.init_from: {folder} is neither a checkpoint nor a run folder")
+            folder = found[-1]
+        check_checkpoint_files(folder)
+        check_layout(folder, read_state(folder), self.student, doing="start from")
+        load_weights(folder, self.student, self.optimizer if init.optimizer else None, hyper_parameters=False)
+        state = "weights and optimizer state" if init.optimizer else "weights"
+        self.log(f"new run starting from the {state} of {folder}")
 
     def _token_norm(self, mb: MicroBatch, denominator: float) -> torch.Tensor:
         if self.tc.divergence.level == "token":
@@ -347,6 +388,8 @@ class Trainer:
 
     def _run(self, resume: bool | None, max_steps: int | None) -> TrainResult:
         point = self._resume_point(resume)
+        if point is None:
+            self._start_from()
         first = (point.step if point else 0) + 1
         last = min(self.tc.steps, max_steps if max_steps is not None else self.tc.steps)
         result = TrainResult(self.output, first, last, None, 0, self.heads_by_rank)
@@ -386,6 +429,7 @@ class Trainer:
                         scheduler=self.scheduler,
                         loader=batch.state_after,
                         teachers=self.teacher_list,
+                        run=self.run_record,
                         keep=self.tc.checkpoint.keep,
                         world=self.world,
                     )

@@ -12,6 +12,7 @@ from click.testing import CliRunner, Result
 from safetensors.torch import load_file, save_file
 
 from mopd.cli.main import cli
+from mopd.store.completion import write_complete
 from mopd.store.manifest import MANIFEST_FILE, PARTS_DIR
 from mopd.store.teachers import TeacherIdentity, write_teacher_list
 from tests.store.synthetic import StoreSpec, make_checkpoint
@@ -89,11 +90,11 @@ def _edit_manifest(root: Path, **changes: object) -> None:
     path.write_text(json.dumps(manifest))
 
 
-def test_format_version_2(small_store: StoreSpec) -> None:
-    _edit_manifest(Path(small_store.root), format_version=2)
+def test_format_version_3(small_store: StoreSpec) -> None:
+    _edit_manifest(Path(small_store.root), format_version=3)
     lines = problem_lines(result := verify(small_store.root))
     assert result.exit_code == 1 and len(lines) == 1
-    assert "format_version 2 is newer than this mopd (reads 1); upgrade mopd" in lines[0]
+    assert "format_version 3 is newer than this mopd (reads 1, 2); upgrade mopd" in lines[0]
 
 
 def test_unknown_required_feature(small_store: StoreSpec) -> None:
@@ -153,7 +154,8 @@ def test_changed_fingerprint_at_same_path(small_store: StoreSpec, tmp_path: Path
     config = write_config(tmp_path / "changed.yaml", small_store.teachers, small_store.root)
     lines = problem_lines(result := verify(small_store.root, "--config", str(config)))
     assert result.exit_code == 1 and len(lines) == 1
-    assert "code-teacher" in lines[0] and "fingerprint changed at the same path" in lines[0]
+    assert lines[0].startswith("teacher 1 (code): the store's is") and "code-teacher" in lines[0]
+    assert "a different teacher" in lines[0]
 
 
 def test_checkpoint_with_different_teacher_list(small_store: StoreSpec, tmp_path: Path) -> None:
@@ -165,6 +167,7 @@ def test_checkpoint_with_different_teacher_list(small_store: StoreSpec, tmp_path
     good = tmp_path / "step_000010"
     good.mkdir()
     write_teacher_list(good, teachers)
+    write_complete(good, {"step": 10})
     assert verify(small_store.root, "--checkpoint", str(good)).exit_code == 0
     swapped = tmp_path / "step_000020"
     swapped.mkdir()
@@ -176,6 +179,7 @@ def test_checkpoint_with_different_teacher_list(small_store: StoreSpec, tmp_path
             teachers[2],
         ],
     )
+    write_complete(swapped, {"step": 20})
     lines = problem_lines(result := verify(small_store.root, "--checkpoint", str(swapped)))
     assert result.exit_code == 1 and len(lines) == 2
     assert all("renumbered" in line and "checkpoint" in line for line in lines)
@@ -229,3 +233,19 @@ def test_array_shape_differing_from_the_record(small_store: StoreSpec) -> None:
     meta.write_text(text.replace('"shape": [\n    300,', '"shape": [\n    299,'))
     lines = problem_lines(result := verify(small_store.root))
     assert result.exit_code == 1 and lines == ["teachers/0/lm_head: shape (299, 32), recorded (300, 32)"]
+
+
+def test_config_with_two_aliases_swapped(small_store: StoreSpec, tmp_path: Path) -> None:
+    """The same checkpoints, so the same indices, but math and code trade places: the store's rows were
+    routed the other way round, and each swapped alias is named."""
+    teachers = {
+        **small_store.teachers,
+        "math": small_store.teachers["code"],
+        "code": small_store.teachers["math"],
+    }
+    config = write_config(tmp_path / "swapped.yaml", teachers, small_store.root)
+    lines = problem_lines(result := verify(small_store.root, "--config", str(config)))
+    assert result.exit_code == 1 and len(lines) == 2, lines
+    code, math = sorted(lines)
+    assert code.startswith("alias code names teacher 1 (") and "math-teacher (the store's teacher 2)" in code
+    assert math.startswith("alias math names teacher 2 (") and "code-teacher (the store's teacher 1)" in math

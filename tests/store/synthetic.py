@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from mopd.store.fingerprint import checkpoint_fingerprint, vocab_hash
 from mopd.store.layout import plan_tasks, shard_rows
-from mopd.store.manifest import DatasetInfo, Plan, StorageInfo, TeacherInfo, TokenizerInfo
+from mopd.store.manifest import DatasetInfo, HeadTask, Plan, RowsTask, StorageInfo, TeacherInfo, TokenizerInfo
 from mopd.store.tasks import HiddenShardWriter, write_lm_head, write_rows
 from mopd.store.teachers import alias_to_index, assign_teacher_indices
 from mopd.store.writer import StoreWriter
@@ -138,7 +138,7 @@ def build_store(spec: StoreSpec) -> StoreWriter:
         if task.task_id in done or (spec.only_tasks is not None and task.task_id not in spec.only_tasks):
             continue
         with writer.task(task.task_id) as out:
-            if task.kind == "rows":
+            if isinstance(task, RowsTask):
                 write_rows(
                     out,
                     input_ids=[tokens_for(i, n) for i, n in enumerate(spec.lengths)],
@@ -146,15 +146,13 @@ def build_store(spec: StoreSpec) -> StoreWriter:
                     teacher_index=teacher_index,
                     source_keys=[f"row-{i}" for i in range(len(lengths))],
                 )
-            elif task.kind == "lm_head":
-                assert task.teacher is not None
+            elif isinstance(task, HeadTask):
                 write_lm_head(
                     out,
                     head_for(task.teacher, VOCAB_SIZE, hidden_sizes[task.teacher], spec.torch_dtype),
                     final_logit_softcap=spec.softcaps.get(checkpoints[task.teacher]),
                 )
             else:
-                assert task.teacher is not None
                 rows = shard_rows(teacher_index, task)
                 shard = HiddenShardWriter(
                     out,

@@ -69,3 +69,36 @@ def test_unreadable_yaml(tmp_path: Path) -> None:
         load_config(write(tmp_path, "teachers: [unclosed\n"))
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize(("beta", "instead"), [(1.0, "reverse_kl"), (0.0, "forward_kl")])
+def test_a_jsd_that_is_identically_zero_is_refused(tmp_path: Path, beta: float, instead: str) -> None:
+    """mopd's JSD(β) is 0 with zero gradient at β ∈ {0, 1}; users of other tools write β = 1 for
+    reverse KL. The config names the kind they mean instead of training on nothing."""
+    text = BASE + f"train:\n  student: ckpts/student\n  divergence: {{kind: jsd, beta: {beta}}}\n"
+    with pytest.raises(
+        ConfigError,
+        match=rf"`train.divergence`: kind jsd with beta {beta} is identically 0 .*kind: {instead}",
+    ):
+        load_config(write(tmp_path, text))
+    load_config(write(tmp_path, text.replace(f"beta: {beta}", "beta: 0.5")))  # a real JSD trains
+
+
+def test_teacher_weights_that_train_nothing_are_refused(tmp_path: Path) -> None:
+    train = "train:\n  student: ckpts/student\n  teacher_weights: {math: 0.0, code: 0.0}\n"
+    with pytest.raises(ConfigError, match=r"every teacher's weight is 0 .* nothing would train"):
+        load_config(write(tmp_path, BASE + train))
+    with pytest.raises(ConfigError, match=r"train.teacher_weights.math: -1.0 is negative"):
+        load_config(write(tmp_path, BASE + train.replace("math: 0.0", "math: -1.0")))
+    mixed = train.replace("teacher_weights", "divergence: {ce_weight: 1.0}\n  teacher_weights")
+    assert load_config(write(tmp_path, BASE + mixed)).train is not None  # hard-label CE still trains
+    load_config(write(tmp_path, BASE + train.replace("math: 0.0", "math: 0.5")))
+
+
+def test_yaml_aliases_nan_and_oversized_configs_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"YAML alias at line \d+: aliases \(\*name\) are not allowed"):
+        load_config(write(tmp_path, BASE + "routing: &r {field: agent}\nother: *r\n"))
+    with pytest.raises(ConfigError, match=r"`train.teacher_weights.code`: Input should be a finite number"):
+        load_config(write(tmp_path, BASE + "train: {student: s, teacher_weights: {code: .nan}}\n"))
+    with pytest.raises(ConfigError, match=r"bytes, more than the 1048576 it may have"):
+        load_config(write(tmp_path, BASE + "#" * (1 << 20)))

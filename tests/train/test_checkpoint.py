@@ -118,3 +118,16 @@ def test_a_checkpoint_of_another_backend_is_refused(world: World, tmp_path: Path
     with pytest.raises(ConfigError, match=r"written by a hf student, this run is megatron tp=1 × pp=1"):
         run_training(megatron, log=lambda _line: None)
     assert not torch.distributed.is_initialized()  # the one-rank group it made is gone
+
+
+def test_a_student_without_safetensors_weights_is_refused(world: World, tmp_path: Path) -> None:
+    """A pickled checkpoint can run code when loaded: the student is read from safetensors only."""
+    student = Path(shutil.copytree(world.student, tmp_path / "pickled"))
+    from safetensors.torch import load_file
+
+    torch.save(load_file(student / "model.safetensors"), student / "pytorch_model.bin")
+    (student / "model.safetensors").unlink()
+    with pytest.raises(
+        ConfigError, match=r"train.student: .*pickled cannot be loaded .*safetensors weights only"
+    ):
+        run_training(world_config(world, tmp_path, student=student, steps=1), log=lambda _line: None)

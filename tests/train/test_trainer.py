@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from mopd.store.completion import COMPLETE, write_complete
 from mopd.store.errors import ConfigError, ManifestError
 from mopd.store.reader import open_store
 from mopd.store.teachers import TEACHER_LIST_FILE
@@ -25,6 +26,7 @@ from mopd.train.trainer import (
     run_training,
     teacher_weights,
 )
+from tests.tolerance import assert_close, mean_over, perturbed, sum_rtol, trajectory_rtol, value_atol
 from tests.train.world import World, world_config
 
 REQUIRED_KEYS = {
@@ -58,9 +60,17 @@ def test_self_distillation_starts_at_zero_divergence(world: World, tmp_path: Pat
     )
     first = train(config, max_steps=1).records[0]
     assert first["step"] == 1 and first["trained_tokens"] > 100
-    # KL ≥ 0 in exact arithmetic; fp32 rounding leaves ±2e-7 around zero.
-    assert max(abs(first["divergence_min"]), abs(first["divergence_max"])) <= 1e-6
-    assert abs(first["loss"]) <= 1e-6
+    # KL ≥ 0 in exact arithmetic; each token's fp32 value rounds within value_atol of it.
+    vocab = open_store(world.self_store).teacher(0).vocab_size
+    bound = value_atol(vocab, store_logit_range(world.self_store))
+    assert_close([first["divergence_min"], first["divergence_max"], first["loss"]], [0.0] * 3, atol=bound)
+
+
+def store_logit_range(store_path: Path, rows: int = 8) -> float:
+    """The largest logit gap of the first rows' rebuilt teacher logits (see tests/tolerance.value_atol)."""
+    store = open_store(store_path)
+    logits = [store.teacher_logits(i) for i in range(min(rows, store.num_rows))]
+    return max(float((z.amax(1) - z.amin(1)).max()) for z in logits)
 
 
 def test_learning_from_two_teachers_halves_held_out_divergence(world: World, tmp_path: Path) -> None:
@@ -116,7 +126,9 @@ def test_each_row_uses_its_own_teachers_head(world: World, tmp_path: Path) -> No
         hidden = trainer.student.hidden_states(mb.input_ids, mb.attention_mask)[mb.loss_mask]
         norm = torch.full((mb.num_trained,), 1.0 / mb.num_trained)
         _, per_token = trainer.objective(hidden, trainer.student.head, mb, norm)
-        torch.testing.assert_close(per_token, _student_reference(trainer, mb.rows), rtol=1e-5, atol=1e-5)
+        # The fused value against log-softmax of materialised logits: one token's rounding, twice.
+        bound = value_atol(trainer.vocab_size, store_logit_range(world.store))
+        assert_close(per_token, _student_reference(trainer, mb.rows), atol=bound, what="per_token")
         heads = trainer.heads._kept
         heads[0], heads[1] = heads[1], heads[0]
         _, swapped = trainer.objective(hidden, trainer.student.head, mb, norm)
@@ -150,11 +162,16 @@ def test_a_store_of_one_teachers_rows_trains_as_a_one_teacher_run(world: World, 
 def test_head_lifecycles_keep_one_head_on_device_and_match_none(
     world: World, tmp_path: Path, lifecycle: str
 ) -> None:
-    resident = train(world_config(world, tmp_path / "none", steps=3, lm_head_lifecycle="none"))
+    reorder = {"divergence": {"chunk_size": 48}} if perturbed() else {}  # other chunks, other order
+    resident = train(world_config(world, tmp_path / "none", steps=3, lm_head_lifecycle="none", **reorder))
     managed = train(world_config(world, tmp_path / lifecycle, steps=3, lm_head_lifecycle=lifecycle))
     assert resident.heads_peak_resident == 2
     assert managed.heads_peak_resident == 1
-    np.testing.assert_allclose(train_losses(managed), train_losses(resident), rtol=1e-6, atol=1e-7)
+    # Moving heads between devices changes nothing; perturbed, the resident run chunks the loss
+    # otherwise: a 3-step trajectory of the 2-block student, as a mean over the step's tokens.
+    tokens = min(r["trained_tokens"] for r in resident.records if "trained_tokens" in r)
+    rtol = mean_over(tokens, trajectory_rtol(3, layers=2, width=128))
+    assert_close(train_losses(managed), train_losses(resident), rtol=rtol, what="losses")
 
 
 def test_evict_rereads_heads_from_the_store(world: World, tmp_path: Path) -> None:
@@ -174,7 +191,8 @@ def test_sequence_level_loss_weights_rows_equally(world: World, tmp_path: Path) 
             hidden, trainer.student.head, mb, trainer._token_norm(mb, rows_trained)
         )
     row_means = [per_token[mb.token_row == b].mean() for b in range(len(mb.rows)) if mb.loss_mask[b].any()]
-    torch.testing.assert_close(loss, torch.stack(row_means).mean(), rtol=1e-6, atol=1e-7)
+    # The same values summed in two orders: N terms each, twice the worst case of one.
+    assert_close(loss, torch.stack(row_means).mean(), rtol=2 * sum_rtol(mb.num_trained), what="loss")
 
 
 def test_ce_mix_and_teacher_weights(world: World, tmp_path: Path) -> None:
@@ -190,12 +208,18 @@ def test_ce_mix_and_teacher_weights(world: World, tmp_path: Path) -> None:
         )
         trainer.objective.cfg = trainer.objective.cfg.model_copy(update={"ce_weight": 0.5})
         mixed, _ = trainer.objective(hidden, trainer.student.head, mb, norm)
-        torch.testing.assert_close(mixed - base, 0.5 * ce / mb.num_trained, rtol=1e-5, atol=1e-6)
+        # The fused hard-label CE against torch's, per token within value_atol; the difference of two
+        # losses of N summed terms also carries their own sums' rounding.
+        vocab = trainer.vocab_size
+        atol = 0.5 * value_atol(vocab, store_logit_range(world.store)) + 2 * sum_rtol(mb.num_trained) * float(
+            mixed.abs() + base.abs()
+        )
+        assert_close(mixed - base, 0.5 * ce / mb.num_trained, atol=atol, what="CE term")
         trainer.objective.cfg = trainer.objective.cfg.model_copy(update={"ce_weight": 0.0})
         trainer.objective.weight_of[0] = 3.0
         weighted, _ = trainer.objective(hidden, trainer.student.head, mb, norm)
     expected = (per_token * torch.where(mb.token_teacher == 0, 3.0, 1.0)).sum() / mb.num_trained
-    torch.testing.assert_close(weighted, expected, rtol=1e-5, atol=1e-6)
+    assert_close(weighted, expected, rtol=2 * sum_rtol(mb.num_trained), what="weighted loss")
 
 
 def test_teacher_weights_follow_the_stores_aliases(world: World) -> None:
@@ -244,7 +268,7 @@ def test_resume_after_a_crash_continues_exactly(
     assert (first.first_step, first.last_step, second.first_step, second.last_step) == (3, 6, 7, 8)
     resumed = [r["loss"] for r in read_metrics(run / METRICS_FILE)]
     assert [r["step"] for r in read_metrics(run / METRICS_FILE)] == list(range(1, 9))
-    np.testing.assert_allclose(resumed, whole, rtol=1e-6, atol=1e-7)
+    assert_close(resumed, whole, what="losses")  # the same arithmetic in one process: bit for bit
     assert [p.name for p in complete_checkpoints(run / "checkpoints")] == ["step_00000006", "step_00000008"]
     finished = train(config)  # a third resume finds nothing left and changes nothing
     assert finished.records == [] and len(read_metrics(run / METRICS_FILE)) == 8
@@ -262,6 +286,8 @@ def _edit_teacher_list(checkpoint: Path, edit: str) -> None:
     else:
         teachers[0]["fingerprint"] = "0" * 64
     path.write_text(json.dumps({"teachers": teachers}))
+    marker = json.loads((checkpoint / COMPLETE).read_text())
+    write_complete(checkpoint, {"step": marker["step"]})  # an intact checkpoint of another store
 
 
 @pytest.mark.parametrize(
@@ -328,7 +354,7 @@ def test_a_tied_student_trains_and_resumes_exactly(world: World, tmp_path: Path)
     train(config, max_steps=2)
     resumed = train(config)
     assert resumed.first_step == 3
-    np.testing.assert_allclose(train_losses(resumed), whole[2:], rtol=1e-6, atol=1e-7)
+    assert_close(train_losses(resumed), whole[2:], what="losses")  # bit for bit
     assert whole[-1] < whole[0]
 
 

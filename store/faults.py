@@ -1,0 +1,82 @@
+"""Faults on demand for the commit path, so that tests show what a crash or a full disk leaves behind.
+
+Off unless the environment variable MOPD_FAULT is set; read only by the commit code (store/fsio.py,
+store/arrays.py, store/writer.py, train/checkpoint.py):
+
+    MOPD_FAULT=kill@shard-renamed       SIGKILL this process when it first reaches the named point
+    MOPD_FAULT=kill@checkpoint-written:2   ... the second time it reaches it
+    MOPD_FAULT=enospc@fsync:3           the 3rd fsync of this process fails with ENOSPC (or eio@...)
+
+Points: `<what>-written` (a shard, checkpoint or record's bytes are on disk, not yet durable),
+`<what>-fsynced`, `<what>-renamed` (published), `<what>-linked` (a record created no-clobber), for
+`what` in shard, part, manifest, checkpoint. Operations: write, fsync, rename, link.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+VARIABLE = "MOPD_FAULT"
+_ERRNOS = {"enospc": errno.ENOSPC, "eio": errno.EIO}
+_seen: Counter[str] = Counter()
+_spec_seen = ""
+
+
+def _spec() -> tuple[str, str, int] | None:
+    """(action, target, k) of MOPD_FAULT, counting afresh whenever its value changes."""
+    global _spec_seen
+    raw = os.environ.get(VARIABLE, "")
+    if raw != _spec_seen:
+        _spec_seen = raw
+        _seen.clear()
+    if not raw:
+        return None
+    action, _, target = raw.partition("@")
+    name, _, k = target.partition(":")
+    return action, name, int(k or 1)
+
+
+def reset() -> None:
+    """Counts afresh from now (for callers that set MOPD_FAULT to the same value twice in one process)."""
+    _seen.clear()
+
+
+def point(name: str) -> None:
+    """A named kill point: SIGKILL here when MOPD_FAULT says so (the k-th time this process gets here)."""
+    spec = _spec()
+    if spec is None or spec[0] != "kill" or spec[1] != name:
+        return
+    _seen[name] += 1
+    if _seen[name] == spec[2]:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _inject(op: str, path: object) -> None:
+    spec = _spec()
+    if spec is None or spec[0] not in _ERRNOS or spec[1] != op:
+        return
+    _seen[op] += 1
+    if _seen[op] == spec[2]:
+        code = _ERRNOS[spec[0]]
+        raise OSError(code, f"{os.strerror(code)} (injected at {op} #{spec[2]})", str(path))
+
+
+@contextmanager
+def io(op: str, path: object) -> Iterator[None]:
+    """One file-system operation of the commit path; an OSError from it names the operation and path.
+
+    Also where MOPD_FAULT's injected errors come from.
+    """
+    try:
+        _inject(op, path)
+        yield
+    except OSError as err:
+        if err.strerror and err.strerror.startswith(f"{op} failed"):
+            raise
+        reason = err.strerror or str(err)
+        raise OSError(err.errno, f"{op} failed: {reason}", err.filename or str(path)) from err

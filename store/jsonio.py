@@ -1,0 +1,115 @@
+"""Strict JSON for every record mopd reads back: manifest, plan, part records, checkpoint state.
+
+Python's `json` accepts what these records must never hold: a repeated key (the last silently wins,
+which could quietly swap a teacher or a hash), `NaN` and `Infinity` (not JSON, and never a valid count
+or hash), files of any size and nesting deep enough to exhaust the stack. `parse_json` refuses all of
+them with one `MopdError` subclass naming the file, so a damaged or hostile record is reported, never
+half-trusted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mopd.store.errors import MopdError
+
+MAX_RECORD_BYTES = 64 << 20  # a manifest of 1M shards is ~400 MB; 64 MiB covers ~150k shards
+MAX_DEPTH = 32  # the deepest record mopd writes nests 6 levels
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _depth(text: str) -> int:
+    """Bracket nesting depth outside strings (a cheap pre-check: `json` recurses once per level)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def decode_text(data: bytes, *, what: str, error: type[MopdError], max_bytes: int) -> str:
+    """`data` as UTF-8 text of at most `max_bytes` bytes (else `error`, naming `what`)."""
+    if len(data) > max_bytes:
+        raise error(f"{what}: {len(data)} bytes, more than the {max_bytes} it may have; it is damaged")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise error(f"{what}: not UTF-8 text ({err}); it is damaged") from err
+
+
+def parse_json(data: bytes, *, what: str, error: type[MopdError], max_bytes: int = MAX_RECORD_BYTES) -> Any:
+    """Parses `data` strictly.
+
+    Raises:
+        `error`: naming `what`, for oversized input, invalid UTF-8 or JSON, duplicate keys, NaN or
+            Infinity, or nesting deeper than MAX_DEPTH.
+    """
+    text = decode_text(data, what=what, error=error, max_bytes=max_bytes)
+    if _depth(text) > MAX_DEPTH:
+        raise error(f"{what}: nested more than {MAX_DEPTH} levels deep; it is damaged")
+    try:
+        value = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except ValueError as err:
+        raise error(f"{what}: does not parse as JSON ({err}); it is damaged") from err
+    check_unicode(value, what=what, error=error)
+    return value
+
+
+def check_unicode(value: Any, *, what: str, error: type[MopdError]) -> None:
+    """Refuses strings holding lone UTF-16 surrogates (a `\\ud800` escape decodes to one; no text can
+    hold it, and code that encodes it fails far from here)."""
+    try:
+        json.dumps(value, ensure_ascii=False, default=str).encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise error(f"{what}: holds an escaped lone surrogate, which is not text; it is damaged") from err
+
+
+def read_json(path: Path, *, what: str, error: type[MopdError], max_bytes: int = MAX_RECORD_BYTES) -> Any:
+    """`parse_json` of a file (FileNotFoundError passes through: a missing record is not a bad one).
+
+    Raises:
+        `error`: as `parse_json`, or when the file cannot be read.
+    """
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise error(f"{what} {path}: {size} bytes, more than the {max_bytes} a record may have")
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        raise error(f"{what} {path}: unreadable ({err.strerror})") from err
+    return parse_json(data, what=f"{what} {path}", error=error, max_bytes=max_bytes)
+
+
+def describe_location(loc: tuple[object, ...]) -> str:
+    """A pydantic error location as `a.b.0.c`, with odd keys (spaces, newlines, empty) quoted."""
+    parts = [str(p) if str(p).isidentifier() or isinstance(p, int) else ascii(str(p)) for p in loc]
+    return ".".join(parts) or "(top level)"

@@ -1,0 +1,107 @@
+"""Faults in precompute's commit path are tested, not assumed: SIGKILL at every named point and at random
+moments, two jobs on one task, racing finalizers, ENOSPC and EIO at the k-th write, fsync, rename and
+link. After each, a rerun gives the uninterrupted run's store, file for file. (`scripts/fault-trials`
+runs the same trials many more times.)"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mopd.store.manifest import MANIFEST_FILE
+from tests.fault_trials import (
+    PRECOMPUTE_POINTS,
+    cli,
+    finish_and_compare,
+    io_error_in_precompute,
+    kill_at_random,
+    precompute_args,
+    racing_finalizers,
+    store_contents,
+    two_jobs_at_once,
+    write_precompute_config,
+)
+from tests.precompute.teachers import mixed_records, write_jsonl
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def setup(
+    tmp_path_factory: pytest.TempPathFactory, tiny_teachers: dict[str, Path]
+) -> tuple[Path, dict[str, Any]]:
+    """A config (two teachers, 12 rows, 3 rows per task: 8 tasks) and its uninterrupted store."""
+    root = tmp_path_factory.mktemp("faults")
+    records = [{**r, "agent": "math" if i % 3 else "code"} for i, r in enumerate(mixed_records(12))]
+    data = write_jsonl(root / "d.jsonl", records)
+    config = write_precompute_config(
+        root, {"math": tiny_teachers["llama"], "code": tiny_teachers["qwen2"]}, data
+    )
+    reference = root / "reference.zarr"
+    done = cli(precompute_args(config, reference))
+    assert done.returncode == 0, done.stderr
+    return config, store_contents(reference)
+
+
+def test_sigkill_at_every_commit_point(setup: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    """One store killed at each point in turn (a task's second pass through task points, so that one
+    task is already done); nothing looks finished before the manifest, then a rerun finishes it."""
+    config, reference = setup
+    store = tmp_path / "store.zarr"
+    for point in PRECOMPUTE_POINTS:
+        k = 2 if point.startswith(("task", "part")) else 1
+        killed = cli(precompute_args(config, store), fault=f"kill@{point}:{k}")
+        assert killed.returncode == -9, (point, killed.stderr[-500:])
+        assert (store / MANIFEST_FILE).exists() == (point == "manifest-linked"), point
+    outcome = finish_and_compare("every point", config, store, reference)
+    assert outcome.identical, outcome.detail
+
+
+def test_sigkill_at_random_moments(setup: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    config, reference = setup
+    rng = random.Random(7)
+    for trial in range(2):
+        outcome = kill_at_random(config, tmp_path / f"store-{trial}.zarr", rng, 6.0, reference)
+        assert outcome.identical, outcome
+
+
+def test_two_jobs_on_one_task_and_racing_finalizers(
+    setup: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    config, reference = setup
+    assert two_jobs_at_once(config, tmp_path / "two.zarr", reference).identical
+    assert racing_finalizers(config, tmp_path / "race.zarr", reference).identical
+
+
+def test_a_different_existing_manifest_is_an_error_naming_both_hashes(
+    setup: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    config, _ = setup
+    store = tmp_path / "store.zarr"
+    assert cli(precompute_args(config, store), fault="kill@manifest-written").returncode == -9
+    other = tmp_path / "other.zarr"
+    assert cli(precompute_args(config, other)).returncode == 0
+    text = (other / MANIFEST_FILE).read_text().replace('"created_by": "mopd', '"created_by": "another mopd')
+    (store / MANIFEST_FILE).write_text(text)
+    result = cli(precompute_args(config, store))
+    assert result.returncode == 1
+    error = " ".join(result.stderr.split())
+    assert "already exists and differs from the manifest this job built (existing " in error
+    assert error.count("error: ") == 1 and "Traceback" not in error
+
+
+@pytest.mark.parametrize("op", ["write", "fsync", "rename", "link"])
+@pytest.mark.parametrize("code", ["enospc", "eio"])
+def test_io_errors_stop_cleanly_and_a_rerun_completes(
+    setup: tuple[Path, dict[str, Any]], tmp_path: Path, op: str, code: str
+) -> None:
+    """The k-th operation fails (k = 1 and 4 here; 1..5 in scripts/fault-trials): one line naming the
+    operation and the path, exit 1, no temporary left and no manifest; every folder that did get
+    published is complete; a rerun without the fault gives the reference store."""
+    config, reference = setup
+    for k in (1, 4):
+        outcome = io_error_in_precompute(config, tmp_path / f"store-{k}.zarr", code, op, k, reference)
+        assert outcome.identical, outcome

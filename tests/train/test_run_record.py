@@ -1,0 +1,134 @@
+"""A checkpoint knows what it was trained on: resuming with another store or any recorded setting is
+refused naming the field, its old and its new value; `train.init_from` starts a new run from a
+checkpoint instead; a damaged checkpoint file is named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from mopd.cli.main import cli
+from mopd.store import open_store
+from mopd.store.errors import CheckpointError
+from mopd.train.checkpoint import complete_checkpoints
+from mopd.train.run_record import RESUMABLE, diff_run_records, run_record
+from mopd.train.trainer import Trainer, run_training
+from tests.train.world import World, world_config
+
+BASE = dict(steps=4, checkpoint={"every": 1, "keep": 4}, eval={"rows": 4, "every": 0})
+
+
+def train(config: Any, **kwargs: Any) -> Any:
+    return run_training(config, log=lambda _line: None, **kwargs)
+
+
+@pytest.fixture
+def two_steps(world: World, tmp_path: Path) -> Path:
+    """A run folder holding checkpoints of steps 1 and 2."""
+    train(world_config(world, tmp_path / "base", **BASE), max_steps=2)
+    return tmp_path / "base" / "run"
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "old", "new"),
+    [
+        ({"store": "math_rows_store"}, "store.manifest_hash", None, None),
+        ({"batch": {"global_batch_tokens": 2048}}, "train.batch.global_batch_tokens", "1024", "2048"),
+        ({"batch": {"micro_batch_tokens": 256}}, "train.batch.micro_batch_tokens", "512", "256"),
+        ({"seed": 3}, "train.seed", "0", "3"),
+        ({"divergence": {"kind": "forward_kl"}}, "train.divergence.kind", "'reverse_kl'", "'forward_kl'"),
+        ({"divergence": {"temperature": 2.0}}, "train.divergence.temperature", "1.0", "2.0"),
+        ({"teacher_weights": {"code": 2.0}}, "train.teacher_weights", "{}", "{'code': 2.0}"),
+        ({"eval": {"rows": 8, "every": 0}}, "train.eval.rows", "4", "8"),
+        ({"optim": {"lr": 1.0e-3, "warmup_steps": 2}}, "train.optim.lr", "0.005", "0.001"),
+    ],
+)
+def test_resume_refuses_a_changed_store_or_setting(
+    world: World, tmp_path: Path, two_steps: Path, change: dict, field: str, old: str | None, new: str | None
+) -> None:
+    options: dict[str, Any] = {**BASE, **{k: v for k, v in change.items() if k != "store"}}
+    store = getattr(world, change["store"]) if "store" in change else None
+    config = world_config(world, tmp_path / "changed", store=store, **options)
+    with pytest.raises(CheckpointError) as err:
+        train(config, output=two_steps)
+    message = str(err.value)
+    assert "cannot resume from" in message and "train.init_from" in message
+    (line,) = [line.strip() for line in message.splitlines() if line.strip().startswith(field + ":")]
+    if old is not None:
+        assert line == f"{field}: {old} in the checkpoint, {new} now"
+    assert [p.name for p in complete_checkpoints(two_steps / "checkpoints")][-1] == "step_00000002"
+
+
+def test_resume_allows_the_documented_settings(world: World, tmp_path: Path, two_steps: Path) -> None:
+    config = world_config(
+        world,
+        tmp_path / "more",
+        **{**BASE, "steps": 5, "checkpoint": {"every": 2, "keep": 1}, "lm_head_lifecycle": "evict"},
+    )
+    result = train(config, output=two_steps)
+    assert (result.first_step, result.last_step) == (3, 5)
+
+
+def test_the_record_covers_every_setting_but_the_resumable_ones(world: World, tmp_path: Path) -> None:
+    config = world_config(world, tmp_path, **BASE)
+    assert config.train is not None
+    record = run_record(config.train, open_store(world.store).manifest, data_parallel_size=1)
+    assert {"train.seed", "train.dtype", "train.backend", "data_parallel_size"} <= set(record)
+    assert not any(name.startswith(tuple(RESUMABLE)) for name in record)
+    assert diff_run_records(record, {**record, "data_parallel_size": 2}) == [
+        "data_parallel_size: 1 in the checkpoint, 2 now"
+    ]
+
+
+def test_init_from_starts_a_new_run_from_a_checkpoints_weights(
+    world: World, tmp_path: Path, two_steps: Path
+) -> None:
+    """On another store (other rows), from step 1: its first step equals a run whose student is the
+    checkpoint's exported model; with optimizer: true the AdamW moments come along."""
+    checkpoint = two_steps / "checkpoints" / "step_00000002"
+    started = train(
+        world_config(
+            world, tmp_path / "init", store=world.math_rows_store, init_from=str(checkpoint), **BASE
+        ),
+        max_steps=1,
+    )
+    assert started.first_step == 1
+    exported = train(
+        world_config(
+            world, tmp_path / "exported", store=world.math_rows_store, student=checkpoint / "model", **BASE
+        ),
+        max_steps=1,
+    )
+    assert started.records[0]["divergence"] == exported.records[0]["divergence"]  # eval at step 0
+    trainer = Trainer(
+        world_config(
+            world,
+            tmp_path / "with-optimizer",
+            init_from={"checkpoint": str(two_steps), "optimizer": True},  # a run folder: its newest
+            **BASE,
+        ),
+        log=lambda _line: None,
+    )
+    trainer._start_from()
+    moments = [s["exp_avg"] for s in trainer.optimizer.state.values()]
+    assert moments and all(m.abs().sum() > 0 for m in moments[:3])
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(5.0e-3 * 0.5)  # this run's schedule
+    trainer.student.close()
+
+
+def test_a_damaged_checkpoint_file_is_named(world: World, tmp_path: Path, two_steps: Path) -> None:
+    latest = two_steps / "checkpoints" / "step_00000002" / "optimizer.safetensors"
+    data = bytearray(latest.read_bytes())
+    data[-5] ^= 0x01
+    latest.write_bytes(bytes(data))
+    config = tmp_path / "base" / "config.yaml"
+    result = CliRunner().invoke(cli, ["train", str(config), "--output", str(two_steps)])
+    assert result.exit_code == 1
+    assert f"{latest}: content changed" in result.stderr and "Traceback" not in result.stderr
+    verify = CliRunner().invoke(
+        cli, ["verify-manifest", str(world.store), "--checkpoint", str(latest.parent)]
+    )
+    assert verify.exit_code == 1 and f"{latest}: content changed" in verify.stdout

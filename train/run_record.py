@@ -1,0 +1,76 @@
+"""What a training run was trained on: the store's identity and every setting that fixes the data order
+or the objective (DESIGN §7). A checkpoint records it; a resume with any of it changed is refused,
+naming the field with its old and new value.
+
+Settings that may change on resume (they touch neither the data order nor the objective):
+
+- `train.steps` (the learning-rate schedule is recomputed for the new total),
+- `train.checkpoint.every`, `train.checkpoint.keep`, `train.output_dir`,
+- `train.eval.every`, `train.device`, `train.lm_head_lifecycle`,
+- `train.divergence.chunk_size` and `train.parallel.sequence_parallel` (memory: they change only the
+  order in which the same sums are taken),
+- `train.student` and `train.init_from` (a resumed run's weights come from its checkpoint).
+
+Continuing on other data or with another objective is a new run started from the checkpoint with
+`train.init_from`, never a resume.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, TypeAdapter
+
+from mopd.store.config import TrainConfig
+from mopd.store.manifest import Manifest
+
+RESUMABLE = frozenset(
+    {
+        "train.steps",
+        "train.checkpoint.every",
+        "train.checkpoint.keep",
+        "train.output_dir",
+        "train.eval.every",
+        "train.device",
+        "train.lm_head_lifecycle",
+        "train.divergence.chunk_size",
+        "train.parallel.sequence_parallel",
+        "train.student",
+        "train.init_from",
+    }
+)
+
+
+def _flatten(prefix: str, section: BaseModel, out: dict[str, Any]) -> None:
+    """Config sections become dotted names; every other value (a mapping too) is one field."""
+    for name in type(section).model_fields:
+        value = getattr(section, name)
+        if isinstance(value, BaseModel):
+            _flatten(f"{prefix}.{name}", value, out)
+        else:
+            out[f"{prefix}.{name}"] = TypeAdapter(Any).dump_python(value, mode="json")
+
+
+def run_record(tc: TrainConfig, manifest: Manifest, *, data_parallel_size: int) -> dict[str, Any]:
+    """The fields a resume must find unchanged, as dotted names → JSON values."""
+    fields: dict[str, Any] = {}
+    _flatten("train", tc, fields)
+    fields = {k: v for k, v in fields.items() if not any(k == r or k.startswith(r + ".") for r in RESUMABLE)}
+    fields["store.manifest_hash"] = manifest.hash()
+    fields["store.dataset_fingerprint"] = manifest.dataset.fingerprint
+    fields["data_parallel_size"] = data_parallel_size
+    return dict(sorted(fields.items()))
+
+
+def diff_run_records(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """One line per field whose value differs: `name: A in the checkpoint, B now`."""
+    lines = []
+    for name in sorted(set(recorded) | set(current)):
+        old, new = recorded.get(name, "(not recorded)"), current.get(name, "(not set)")
+        if old != new:
+            lines.append(f"{name}: {_show(old)} in the checkpoint, {_show(new)} now")
+    return lines
+
+
+def _show(value: Any) -> str:
+    return repr(value) if isinstance(value, str) and len(value) < 80 else str(value)
