@@ -4,7 +4,8 @@ Writes a ragged bf16 payload ([262144, 2048] by default: 1 GiB) through the stor
 (tensorstore engine: chunk encoding, fsync, publish, hashing, part records included), reads it back
 row by row through `open_store(...).hidden(i)`, and compares with the same bytes written to one raw file
 with fsync and read back. The same payload is also written with zarr-python as the engine, which is how
-the write engine was chosen. Prints a table and writes bench/results/store_io.json.
+the write engine was chosen, and through the store without per-chunk checksums, which prices the crc32c
+that every read of a format-2 store verifies. Prints a table and writes bench/results/store_io.json.
 
 The payload imitates final-norm hidden states: N(0, 1) values times a per-channel scale drawn from
 lognormal(0, 0.5) (the norm's weight), rounded to bf16.
@@ -32,7 +33,7 @@ from mopd.store import open_store
 from mopd.store.arrays import storage_dtype
 from mopd.store.fsio import fsync_tree
 from mopd.store.layout import plan_tasks, shard_rows
-from mopd.store.manifest import DatasetInfo, Plan, StorageInfo, TeacherInfo, TokenizerInfo
+from mopd.store.manifest import DatasetInfo, Plan, ShardTask, StorageInfo, TeacherInfo, TokenizerInfo
 from mopd.store.tasks import HiddenShardWriter, write_lm_head, write_rows
 from mopd.store.writer import StoreWriter
 
@@ -82,7 +83,9 @@ def raw_read(path: Path) -> float:
     return time.perf_counter() - start
 
 
-def store_write(root: Path, hidden: torch.Tensor, lengths: list[int], rows_per_task: int) -> float:
+def store_write(
+    root: Path, hidden: torch.Tensor, lengths: list[int], rows_per_task: int, *, checksum: bool = True
+) -> float:
     num_rows, hidden_size = len(lengths), hidden.shape[1]
     teacher_index = np.zeros(num_rows, dtype=np.int64)
     plan = Plan(
@@ -92,7 +95,12 @@ def store_write(root: Path, hidden: torch.Tensor, lengths: list[int], rows_per_t
             TeacherInfo(index=0, checkpoint="bench", aliases=["bench"], fingerprint="bench", backend="bench")
         ],
         tasks=plan_tasks(teacher_index, num_teachers=1, rows_per_task=rows_per_task),
-        storage=StorageInfo(hidden_dtype="bfloat16", codec="shuffle-zstd1", chunk_bytes=CHUNK_BYTES),
+        storage=StorageInfo(
+            hidden_dtype="bfloat16",
+            codec="shuffle-zstd1",
+            chunk_bytes=CHUNK_BYTES,
+            checksum="crc32c" if checksum else None,
+        ),
         config={},
     )
     writer = StoreWriter.open(root, plan)
@@ -109,7 +117,7 @@ def store_write(root: Path, hidden: torch.Tensor, lengths: list[int], rows_per_t
         write_lm_head(out, torch.zeros(1024, hidden_size, dtype=torch.bfloat16))
     start = time.perf_counter()
     for task in plan.tasks:
-        if task.kind != "hidden":
+        if not isinstance(task, ShardTask):
             continue
         rows = shard_rows(teacher_index, task)
         with writer.task(task.task_id) as out:
@@ -169,7 +177,8 @@ def main() -> None:
     data = hidden.view(torch.int16).numpy().view(storage_dtype("bfloat16"))
     logical = data.nbytes
     work = Path(tempfile.mkdtemp(prefix="mopd-bench-", dir=args.workdir))
-    times: dict[str, list[float]] = {k: [] for k in ("raw_w", "raw_r", "store_w", "store_r", "zarr_w")}
+    keys = ("raw_w", "raw_r", "store_w", "store_r", "zarr_w", "plain_w", "plain_r")
+    times: dict[str, list[float]] = {k: [] for k in keys}
     cold = False
     try:
         # Interleaved repeats, best of each: the disk's speed drifts during a run (writeback, other I/O).
@@ -185,12 +194,19 @@ def main() -> None:
             times["store_r"].append(store_read(store_root)[0])
             on_disk = stored_bytes(store_root, "teachers/0/shards")
             shutil.rmtree(store_root)
+            plain_root = work / f"plain-{rep}.zarr"
+            times["plain_w"].append(
+                store_write(plain_root, hidden, lengths, args.rows_per_task, checksum=False)
+            )
+            drop_page_cache()
+            times["plain_r"].append(store_read(plain_root)[0])
+            shutil.rmtree(plain_root)
             times["zarr_w"].append(zarr_python_write(work / f"zarr-python-{rep}.zarr", data))
             shutil.rmtree(work / f"zarr-python-{rep}.zarr")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    raw_write_s, raw_read_s, store_write_s, store_read_s, zarr_write_s = (
-        min(times[k]) for k in ("raw_w", "raw_r", "store_w", "store_r", "zarr_w")
+    raw_write_s, raw_read_s, store_write_s, store_read_s, zarr_write_s, plain_write_s, plain_read_s = (
+        min(times[k]) for k in keys
     )
 
     gbs = lambda seconds: logical / seconds / 1e9  # noqa: E731
@@ -221,7 +237,10 @@ def main() -> None:
             "compressed_over_raw_bytes": on_disk / logical,
             "compression_ratio": logical / on_disk,
             "tensorstore_vs_zarr_python_write": zarr_write_s / store_write_s,
+            "checksum_read_cost": store_read_s / plain_read_s - 1,
+            "checksum_write_cost": store_write_s / plain_write_s - 1,
         },
+        "store_without_checksums": {"write_s": plain_write_s, "read_s": plain_read_s},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -232,14 +251,20 @@ def main() -> None:
     for name, seconds, base in [
         ("raw write + fsync", raw_write_s, raw_write_s),
         ("store write (tensorstore)", store_write_s, raw_write_s),
+        ("  without checksums", plain_write_s, raw_write_s),
         ("zarr-python write", zarr_write_s, raw_write_s),
         ("raw read", raw_read_s, raw_read_s),
         ("store read (hidden(i))", store_read_s, raw_read_s),
+        ("  without checksums", plain_read_s, raw_read_s),
     ]:
         print(f"{name:28}{seconds:10.2f}{gbs(seconds):8.2f}{base / seconds:8.2f}x")
     print(
         f"on disk: {on_disk / logical:.3f} x raw bytes (compression {logical / on_disk:.3f}x); "
         f"page cache dropped before reads: {cold}"
+    )
+    print(
+        f"crc32c checksums cost {result['ratios']['checksum_read_cost']:+.1%} of read time and "
+        f"{result['ratios']['checksum_write_cost']:+.1%} of write time"
     )
     print(f"wrote {args.out}")
 
