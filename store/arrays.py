@@ -232,11 +232,6 @@ def write_strings(path: Path, values: list[str], *, checksum: bool = True) -> No
             array[:] = np.array(values, dtype=object)
 
 
-def read_rows(array: zarr.Array, start: int | None = None, stop: int | None = None) -> np.ndarray:
-    """Rows [start, stop) of an array as numpy (reads only the chunks that overlap them)."""
-    return np.asarray(array[start:stop])
-
-
 def open_array(path: Path) -> zarr.Array:
     """Opens an array read-only with zarr-python (metadata; the string column)."""
     return zarr.open_array(zarr.storage.LocalStore(path, read_only=True), mode="r")

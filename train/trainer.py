@@ -220,7 +220,7 @@ class Trainer:
                 f"{self.output} already holds checkpoints (latest {latest.name}); pass --resume to continue "
                 "that run, or choose another --output"
             )
-        check_checkpoint_files(latest)
+        self._check_files(latest)
         problems = diff_teacher_lists(self.teacher_list, read_teacher_list(latest))
         if problems:
             raise ManifestError(
@@ -242,6 +242,18 @@ class Trainer:
         self.log(f"resuming from {latest} (step {point.step})")
         return point
 
+    def _check_files(self, folder: Path) -> None:
+        """Rank 0 hashes the checkpoint's files against its marker; every rank raises what it found."""
+        problem = None
+        if self.world.rank == 0:
+            try:
+                check_checkpoint_files(folder)
+            except CheckpointError as err:
+                problem = str(err)
+        problem = self.world.broadcast_object(problem)
+        if problem is not None:
+            raise CheckpointError(problem)
+
     def _start_from(self) -> None:
         """A new run that starts from `train.init_from`'s weights (and optionally optimizer state)."""
         init = self.tc.init_from
@@ -253,7 +265,7 @@ class Trainer:
             if not found:
                 raise ConfigError(f"train.init_from: {folder} is neither a checkpoint nor a run folder")
             folder = found[-1]
-        check_checkpoint_files(folder)
+        self._check_files(folder)
         check_layout(folder, read_state(folder), self.student, doing="start from")
         load_weights(folder, self.student, self.optimizer if init.optimizer else None, hyper_parameters=False)
         state = "weights and optimizer state" if init.optimizer else "weights"
