@@ -73,14 +73,18 @@ def inspect_command(store: Path) -> None:
         "checkpoint",
         "fingerprint",
         "hidden",
-        "vocab",
+        "vocab rows",
+        "real vocab",
         "rows",
         "tokens",
         "stored",
         "as fp32 logits",
     ):
         table.add_column(
-            column, justify="right" if column in {"index", "hidden", "vocab", "rows", "tokens"} else "left"
+            column,
+            justify="right"
+            if column in {"index", "hidden", "vocab rows", "real vocab", "rows", "tokens"}
+            else "left",
         )
     for t in summary.teachers:
         table.add_row(
@@ -90,12 +94,17 @@ def inspect_command(store: Path) -> None:
             t.fingerprint[:12],
             str(t.hidden_size),
             str(t.vocab_size),
+            str(summary.vocab_size),
             str(t.rows),
             str(t.tokens),
             format_size(t.stored_bytes),
             format_size(t.full_logit_bytes),
         )
     console.print(table)
+    console.print(
+        f"vocab rows: each teacher's output layer; real vocab: the tokenizer's {summary.vocab_size} tokens, "
+        "over which training distils (rows past them are padding and take no part)"
+    )
     console.print(
         f"{summary.rows} rows, {summary.tokens} tokens; hidden states {summary.hidden_dtype}, codec "
         f"{summary.codec}: {format_size(summary.stored_bytes)} on disk, compression ratio "

@@ -142,6 +142,9 @@ class TrainConfig(_Section):
     device: str = "auto"
     # Student parameter dtype (AdamW state follows it).
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # The vocabulary distilled over; default the tokenizer's length as the store records it (see
+    # train/vocabulary.py). Set it only when the tokenizer's added tokens sit past the models' rows.
+    vocab_size: int | None = Field(None, gt=0)
     eval: EvalConfig = EvalConfig()
     output_dir: str = "out/run"
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -33,6 +33,7 @@ class StoreSummary:
     codec: str
     rows: int
     tokens: int
+    vocab_size: int  # the tokenizer's tokens; each teacher's output layer may pad past them
     teachers: list[TeacherSummary]
 
     @property
@@ -76,5 +77,6 @@ def summarise_store(root: str | Path) -> StoreSummary:
         codec=manifest.storage.codec,
         rows=manifest.dataset.num_rows,
         tokens=manifest.dataset.num_tokens,
+        vocab_size=manifest.tokenizer.vocab_size,
         teachers=teachers,
     )

@@ -23,7 +23,7 @@ from mopd.mcore.parallel import ModelParallelGroup
 from mopd.store.errors import ConfigError
 from mopd.store.manifest import Manifest
 from mopd.train.distributed import DataParallel, sum_gradients
-from mopd.train.student import LossFn, check_vocabulary, copy_tokenizer
+from mopd.train.student import LossFn, check_tokenizer, copy_tokenizer
 
 
 def shard_name(tp_rank: int, pp_rank: int) -> str:
@@ -63,9 +63,13 @@ class MegatronStudent:
         return parallel_state.get_tensor_model_parallel_group()
 
     @property
-    def vocab_size(self) -> int:
-        """The real vocabulary (the output layer is padded beyond it; the kernels mask the padding)."""
+    def output_rows(self) -> int:
+        """Rows of the student's own output layer (Megatron pads it further, `padded_vocab_size`)."""
         return self.shape.vocab_size
+
+    def vocab_slice(self, vocab: int) -> tuple[int, int]:
+        """This rank's output-layer shard; columns at or past `vocab` are masked by the kernels."""
+        return self.vocab_start, self.vocab_stop
 
     @property
     def vocab_start(self) -> int:
@@ -74,7 +78,7 @@ class MegatronStudent:
 
     @property
     def vocab_stop(self) -> int:
-        """End of this rank's output-layer shard (past `vocab_size` on the last TP rank: padding)."""
+        """End of this rank's output-layer shard (past the vocabulary on the last TP rank: padding)."""
         return self.vocab_start + self.shape.padded_vocab_size(self.group.tp) // self.group.tp
 
     @property
@@ -94,7 +98,7 @@ class MegatronStudent:
 
     def check_compatible(self, manifest: Manifest) -> None:
         """Refuses a student whose tokenizer or vocabulary differs from the store's teachers."""
-        check_vocabulary(self.checkpoint, self.vocab_size, manifest)
+        check_tokenizer(self.checkpoint, manifest)
 
     def save(self, folder: Path) -> None:
         """This rank's weights as `folder/<shard>.safetensors`; the first shard also copies the

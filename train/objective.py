@@ -55,10 +55,15 @@ class Objective:
         weights: dict[int, float],
         vocab_size: int,
         student: TrainStudent,
+        vocab_slice: tuple[int, int],
     ) -> None:
         self.cfg, self.heads, self.vocab_size = cfg, heads, vocab_size
-        # this rank's vocabulary shard of the student's output layer and of every teacher head
-        self.shard = dict(tp_group=student.tp_group, vocab_start=student.vocab_start, vocab_size=vocab_size)
+        # This rank's vocabulary shard of the student's output layer and of every teacher head: the
+        # rows [start, stop) of the distilled vocabulary (see train/vocabulary.py); the kernels mask any
+        # column at or past `vocab_size`, and an hf student's padding rows past it are cut off here.
+        start, stop = vocab_slice
+        self.local_rows = stop - start
+        self.shard = dict(tp_group=student.tp_group, vocab_start=start, vocab_size=vocab_size)
         self.weight_of = torch.zeros(max(weights) + 1)
         for t, w in weights.items():
             self.weight_of[t] = w
@@ -68,6 +73,7 @@ class Objective:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss with gradients, per-token divergence [N] before any weighting)."""
         cfg = self.cfg
+        head = head[: self.local_rows]
         weights_N = norm_N * self.weight_of[mb.token_teacher].to(norm_N.device)
         options = dict(
             kind=cfg.kind,

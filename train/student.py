@@ -36,11 +36,8 @@ class TrainStudent(Protocol):
     writes_checkpoint_shard: bool  # of identical replicas, the one that writes
 
     @property
-    def vocab_size(self) -> int: ...
-    @property
-    def vocab_start(self) -> int: ...
-    @property
-    def vocab_stop(self) -> int: ...
+    def output_rows(self) -> int: ...
+    def vocab_slice(self, vocab: int) -> tuple[int, int]: ...
     @property
     def tp_group(self) -> Any: ...
     @property
@@ -74,21 +71,15 @@ def _quiet() -> Iterator[None]:
         hf_logging.enable_progress_bar()
 
 
-def check_vocabulary(checkpoint: Path, vocab_size: int, manifest: Manifest) -> None:
-    """Refuses a student whose tokenizer differs from the store's teachers, or whose output layer
-    (`vocab_size` real rows) does not cover every teacher's vocabulary."""
+def check_tokenizer(checkpoint: Path, manifest: Manifest) -> None:
+    """Refuses a student whose tokenizer differs from the store's teachers' (whether its output rows
+    cover the vocabulary, `vocabulary.distilled_vocabulary` checks)."""
     tokenizer_file = checkpoint / "tokenizer.json"
     if tokenizer_file.exists() and vocab_hash(checkpoint) != manifest.tokenizer.vocab_hash:
         raise ConfigError(
             f"train.student: {checkpoint} has another tokenizer vocabulary than the store "
             f"({manifest.tokenizer.name}); student and teachers must share one vocabulary"
         )
-    for teacher in manifest.teachers:
-        if teacher.vocab_size > vocab_size:
-            raise ConfigError(
-                f"train.student: its output layer has {vocab_size} rows, teacher {teacher.index} "
-                f"({teacher.checkpoint}) {teacher.vocab_size}; the student must cover the vocabulary"
-            )
 
 
 def copy_tokenizer(source: Path, folder: Path) -> None:
@@ -109,7 +100,6 @@ class HFStudent:
     reports = True  # this rank's per-token statistics count toward the step's metrics
     shard = ""  # the whole model: one weights file, one optimizer file
     tp_group = None
-    vocab_start = 0
 
     def __init__(
         self, checkpoint: str | Path, *, device: torch.device, dtype: torch.dtype, dp: DataParallel
@@ -150,12 +140,13 @@ class HFStudent:
         return self.model.get_output_embeddings().weight
 
     @property
-    def vocab_size(self) -> int:
+    def output_rows(self) -> int:
+        """Rows of the output layer (the tokenizer's tokens and any padding past them)."""
         return int(self.head.shape[0])
 
-    @property
-    def vocab_stop(self) -> int:
-        return self.vocab_size
+    def vocab_slice(self, vocab: int) -> tuple[int, int]:
+        """The rows the loss uses: the distilled vocabulary's (padding rows take no part)."""
+        return 0, vocab
 
     @property
     def layout(self) -> dict[str, Any]:
@@ -200,8 +191,8 @@ class HFStudent:
         return self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
     def check_compatible(self, manifest: Manifest) -> None:
-        """Refuses a student whose tokenizer or output vocabulary differs from the store's teachers."""
-        check_vocabulary(self.checkpoint, self.vocab_size, manifest)
+        """Refuses a student whose tokenizer differs from the store's teachers'."""
+        check_tokenizer(self.checkpoint, manifest)
 
     def save(self, folder: Path) -> None:
         """A complete transformers checkpoint (config, safetensors weights, tokenizer files)."""

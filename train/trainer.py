@@ -51,6 +51,7 @@ from mopd.train.metrics import PLOT_FILE, MetricsLog, plot_metrics, step_line
 from mopd.train.objective import Objective, StepStats, teacher_weights
 from mopd.train.run_record import diff_run_records, run_record
 from mopd.train.student import HFStudent, TrainStudent
+from mopd.train.vocabulary import distilled_vocabulary
 
 Log = Callable[[str], None]
 
@@ -133,15 +134,18 @@ class Trainer:
         """Everything after the student: heads, objective, loader, optimiser."""
         self.replicas = self.student.data_parallel()
         self.student.check_compatible(manifest)
-        self.vocab_size = manifest.teachers[0].vocab_size
+        self.vocab_size = distilled_vocabulary(
+            manifest, student_rows=self.student.output_rows, override=tc.vocab_size
+        )
+        vocab_start, vocab_stop = self.student.vocab_slice(self.vocab_size)
         self.num_teachers = max(t.index for t in manifest.teachers) + 1
         self.heads = TeacherHeads(
             self.store,
             [t.index for t in manifest.teachers] if self.student.holds_loss else [],
             lifecycle=tc.lm_head_lifecycle,
             device=self.device,
-            vocab_start=self.student.vocab_start,
-            vocab_stop=self.student.vocab_stop,
+            vocab_start=vocab_start,
+            vocab_stop=vocab_stop,
         )
         self.heads_by_rank = self._account_heads()
         self.objective = Objective(
@@ -150,6 +154,7 @@ class Trainer:
             teacher_weights(manifest, tc.teacher_weights),
             self.vocab_size,
             self.student,
+            vocab_slice=(vocab_start, vocab_stop),
         )
         held = held_out_rows(self.store.num_rows, tc.eval.rows, tc.seed) if tc.eval.rows else np.zeros(0, int)
         self.eval_rows = held

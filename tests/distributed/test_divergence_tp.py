@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from mopd.train.divergence import linear_cross_entropy, linear_divergence
+from mopd.train.divergence_reference import reference_divergence
 from tests.distributed.harness import run_distributed
 from tests.tolerance import assert_close, perturbed, sum_rtol, value_atol
 from tests.train.divergence_cases import Case, logit_range, make_case
@@ -135,3 +136,86 @@ def test_tensor_parallel_hard_label_ce_equals_torch() -> None:
         assert_tp_parity(results[rank]["loss"], loss, f"rank {rank} loss", case=case)
         assert_tp_parity(results[rank]["grad_hidden"], hs.grad, f"rank {rank} grad_hidden", case=case)
     assert results[0]["per_token"][0] == 0.0
+
+
+# A tokenizer of 259 tokens; teachers' output layers padded to 320 and 384 rows, the student's to 288
+# (Qwen2.5-7B → 1.5B in miniature). Padding rows hold large noise: any that leaked into a softmax would
+# dominate it.
+TOKENS, TEACHER_ROWS, STUDENT_ROWS = 259, (320, 384), 288
+
+
+def padded_case() -> Case:
+    case = make_case(teachers=2, vocab=TOKENS, num_tokens=19, seed=13)
+    g = torch.Generator().manual_seed(14)
+
+    def pad(head: torch.Tensor, rows: int) -> torch.Tensor:
+        return torch.cat([head, 8.0 * torch.randn(rows - head.shape[0], head.shape[1], generator=g)])
+
+    case.teacher_heads = {t: pad(h, TEACHER_ROWS[t]) for t, h in case.teacher_heads.items()}
+    case.student_head = pad(case.student_head.detach(), STUDENT_ROWS).requires_grad_()
+    return case
+
+
+def run_padded(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """This rank's slice of the 259 real tokens (padded up to a multiple of `world`), cut from every
+    head whatever its own padding: columns past 259 are masked by `vocab_size`."""
+    from mopd.train.vocabulary import shard_bounds
+
+    case = padded_case()
+    start, stop = shard_bounds(TOKENS, rank, world)
+    hs = case.student_hidden.detach().clone().requires_grad_()
+    ws = case.student_head.detach()[start:stop].clone().requires_grad_()
+    out = linear_divergence(
+        hs,
+        ws,
+        case.teacher_hidden,
+        {t: h[start:stop] for t, h in case.teacher_heads.items()},
+        case.teacher_index,
+        kind="reverse_kl",
+        weights=case.weights,
+        chunk_size=6,
+        tp_group=dist.group.WORLD if world > 1 else None,
+        vocab_start=start,
+        vocab_size=TOKENS,
+    )
+    out.loss.backward()
+    return {
+        "loss": out.loss.detach(),
+        "per_token": out.per_token,
+        "grad_hidden": hs.grad,
+        "grad_head": ws.grad,
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_padded_vocabularies_equal_the_reference_over_the_real_tokens(world: int) -> None:
+    """Losses, per-token values and gradients at TP = 1, 2 and 3 (uneven: 259 = 3 × 87 − 2) equal an
+    fp64 reference over the first 259 rows of each head; the padding rows get no gradient."""
+    results = run_distributed(run_padded, world_size=world, timeout=120) if world > 1 else [run_padded(0, 1)]
+    case = padded_case()
+    reference = Case(
+        case.student_hidden.detach().clone().requires_grad_(),
+        case.student_head.detach()[:TOKENS].clone().requires_grad_(),
+        case.teacher_hidden,
+        {t: h[:TOKENS] for t, h in case.teacher_heads.items()},
+        case.teacher_index,
+        case.weights,
+    ).to(torch.float64)
+    want = reference_divergence(
+        reference.student_hidden,
+        reference.student_head,
+        reference.teacher_hidden,
+        reference.teacher_heads,
+        reference.teacher_index,
+        weights=reference.weights,
+    )
+    want.loss.backward()
+    for rank, got in enumerate(results):
+        assert_tp_parity(got["loss"], want.loss, f"rank {rank} loss", case=reference)
+        assert_tp_parity(got["per_token"], want.per_token, f"rank {rank} per_token", case=reference)
+        assert_tp_parity(
+            got["grad_hidden"], reference.student_hidden.grad, f"rank {rank} grad_hidden", case=reference
+        )
+    head = torch.cat([r["grad_head"] for r in results])
+    assert_tp_parity(head[:TOKENS], reference.student_head.grad, "grad_head", case=reference)
+    assert torch.equal(head[TOKENS:], torch.zeros_like(head[TOKENS:]))  # past the tokens: no gradient

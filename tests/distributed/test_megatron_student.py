@@ -44,7 +44,10 @@ def microbatches(vocab: int) -> list[Micro]:
     return out
 
 
-def reference(checkpoint: Path, mbs: list[Micro], teacher_head: torch.Tensor) -> tuple[float, dict, float]:
+def reference(
+    checkpoint: Path, mbs: list[Micro], teacher_head: torch.Tensor, vocab: int
+) -> tuple[float, dict, float]:
+    """The HF student's step over the first `vocab` rows of both heads (the tokens that exist)."""
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).train()
     total = sum(int(mb.loss_mask.sum()) for mb in mbs)
     loss_sum = 0.0
@@ -52,9 +55,9 @@ def reference(checkpoint: Path, mbs: list[Micro], teacher_head: torch.Tensor) ->
         hidden = model.model(input_ids=mb.input_ids).last_hidden_state[mb.loss_mask]
         out = linear_divergence(
             hidden,
-            model.lm_head.weight,
+            model.lm_head.weight[:vocab],
             mb.teacher_hidden,
-            {0: teacher_head},
+            {0: teacher_head[:vocab]},
             None,
             weights=torch.full((hidden.shape[0],), 1.0 / total),
             chunk_size=5 if perturbed() else 8,  # perturbed: other chunks, other order
@@ -66,7 +69,14 @@ def reference(checkpoint: Path, mbs: list[Micro], teacher_head: torch.Tensor) ->
 
 
 def megatron_step(
-    rank: int, world: int, tp: int, pp: int, checkpoint: str, mbs: list[Micro], teacher_head: torch.Tensor
+    rank: int,
+    world: int,
+    tp: int,
+    pp: int,
+    checkpoint: str,
+    mbs: list[Micro],
+    teacher_head: torch.Tensor,
+    vocab: int,
 ) -> tuple[float, dict | None, float]:
     from megatron.core import parallel_state
 
@@ -79,7 +89,7 @@ def megatron_step(
         student = MegatronStudent(checkpoint, group=group, dtype=torch.float32)
         total = sum(int(mb.loss_mask.sum()) for mb in mbs)
         local = student.shape.padded_vocab_size(tp) // tp
-        padded = torch.zeros(local * tp, TEACHER_HIDDEN)
+        padded = torch.zeros(max(local * tp, teacher_head.shape[0]), TEACHER_HIDDEN)
         padded[: teacher_head.shape[0]] = teacher_head
         teacher_slice = padded[student.vocab_start : student.vocab_start + local]
 
@@ -94,7 +104,7 @@ def megatron_step(
                 chunk_size=8,
                 tp_group=parallel_state.get_tensor_model_parallel_group(),
                 vocab_start=student.vocab_start,
-                vocab_size=student.vocab_size,
+                vocab_size=vocab,
             )
             return out.loss, float(out.loss)
 
@@ -127,10 +137,14 @@ def test_pipeline_step_equals_hf_step(tmp_path: Path) -> None:
     vocab = len(tokenizer)
     mbs = microbatches(vocab)
     teacher_head = torch.randn(vocab, TEACHER_HIDDEN, generator=torch.Generator().manual_seed(6))
-    expected_loss, expected, expected_norm = reference(student, mbs, teacher_head)
+    expected_loss, expected, expected_norm = reference(student, mbs, teacher_head, vocab)
     results = run_distributed(
-        megatron_step, world_size=tp * pp, args=(tp, pp, str(student), mbs, teacher_head), timeout=240
+        megatron_step, world_size=tp * pp, args=(tp, pp, str(student), mbs, teacher_head, vocab), timeout=240
     )
+    assert_same_step(results, expected_loss, expected, expected_norm)
+
+
+def assert_same_step(results: list, expected_loss: float, expected: dict, expected_norm: float) -> None:
     loss, grads, _ = results[0]
     # One forward (the loss) and its backward (the gradients, the norm) of a 2-block student, 128 wide,
     # in two implementations: forward_rtol, twice for a backward's second pass.
@@ -140,3 +154,34 @@ def test_pipeline_step_equals_hf_step(tmp_path: Path) -> None:
     assert grads is not None and sorted(grads) == sorted(expected)
     for name, grad in expected.items():
         assert_close(grads[name], grad, rtol=2 * forward_rtol(2, 128), norm=True, what=name)
+
+
+def test_padded_vocabularies_at_tp2(tmp_path: Path) -> None:
+    """A student of 288 output rows (Megatron pads them to 512 at TP=2) and a teacher head of 320 rows
+    whose padding is large noise, over a tokenizer of 259 tokens: the step equals the HF student's over
+    the first 259 rows of both heads, and the rows past them get no gradient."""
+    tokenizer = make_tokenizer(vocab_size=259)
+    vocab = len(tokenizer)
+    student = save_teacher(
+        tmp_path / "student",
+        "qwen2",
+        hidden_size=64,
+        seed=42,
+        tokenizer=tokenizer,
+        num_key_value_heads=2,
+        output_rows=288,
+    )
+    mbs = microbatches(vocab)
+    g = torch.Generator().manual_seed(7)
+    teacher_head = torch.cat(
+        [
+            torch.randn(vocab, TEACHER_HIDDEN, generator=g),
+            8.0 * torch.randn(320 - vocab, TEACHER_HIDDEN, generator=g),
+        ]
+    )
+    expected_loss, expected, expected_norm = reference(student, mbs, teacher_head, vocab)
+    assert expected["lm_head.weight"][vocab:].abs().max() == 0
+    results = run_distributed(
+        megatron_step, world_size=2, args=(2, 1, str(student), mbs, teacher_head, vocab), timeout=240
+    )
+    assert_same_step(results, expected_loss, expected, expected_norm)

@@ -203,7 +203,7 @@ def _check_exported(
             local = hidden @ head.T
             parts = [torch.empty_like(local) for _ in range(2)]
             dist.all_gather(parts, local, group=parallel_state.get_tensor_model_parallel_group())
-            return local.sum() * 0, torch.cat(parts, 1)[:, : model.vocab_size]
+            return local.sum() * 0, torch.cat(parts, 1)[:, : model.output_rows]
 
         @dataclass
         class Rows:

@@ -67,12 +67,22 @@ def model_config(arch: str, *, vocab_size: int, hidden_size: int, head_dim: int 
 
 
 def save_teacher(
-    folder: Path, arch: str, *, hidden_size: int, seed: int, tokenizer: Any, **extra: Any
+    folder: Path,
+    arch: str,
+    *,
+    hidden_size: int,
+    seed: int,
+    tokenizer: Any,
+    output_rows: int | None = None,
+    **extra: Any,
 ) -> Path:
+    """A tiny model of `arch`; `output_rows` pads its embedding and output layer past the tokenizer
+    (as Qwen2.5 pads to 151,936 or 152,064 rows for 151,665 tokens)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = model_config(arch, vocab_size=len(tokenizer), hidden_size=hidden_size, **extra)
+    rows = output_rows or len(tokenizer)
+    config = model_config(arch, vocab_size=rows, hidden_size=hidden_size, **extra)
     model = AutoModelForCausalLM.from_config(config)
     if arch == "phi":  # an output bias: logits that are not transform(h · Wᵀ)
         with torch.no_grad():
