@@ -180,3 +180,12 @@ def test_inspect_shows_padded_and_real_vocabularies(padded: Padded) -> None:
     rows = [line.split("│") for line in lines if line.startswith("│")]
     vocab_rows, real = header.index("vocab rows"), header.index("real vocab")
     assert [(r[vocab_rows].strip(), r[real].strip()) for r in rows] == [("320", "259"), ("384", "259")]
+
+
+def test_a_student_of_another_tokenizer_is_refused(padded: Padded, tmp_path: Path) -> None:
+    other = save_teacher(
+        tmp_path / "other", "qwen2", hidden_size=64, seed=35, tokenizer=make_tokenizer(vocab_size=300)
+    )
+    result = CliRunner().invoke(cli, ["train", str(padded.config(tmp_path, student=other))])
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert "has another tokenizer vocabulary than the store" in " ".join(result.stderr.split())
