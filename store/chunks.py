@@ -218,13 +218,34 @@ class ArrayReader:
                 checksum (the message names the array, the chunk and the file).
         """
         stop = self.shape[0] if stop is None else min(stop, self.shape[0])
-        out = np.empty((max(0, stop - start), *self.shape[1:]), dtype=self._layout.dtype)
         if stop <= start:
-            return out
+            return np.empty((0, *self.shape[1:]), dtype=self._layout.dtype)
+        return self.gather(np.array([start]), np.array([stop]))
+
+    def gather(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+        """The row ranges [starts[k], stops[k]) end to end, each chunk they touch decoded at most once.
+
+        The loader's read: a microbatch's rows lie in few chunks, and every range of one call is cut
+        from the same decoded chunks (decoded in parallel when there are several).
+
+        Raises:
+            StoreIntegrityError: as `read`.
+            IndexError: a range reaches past the array.
+        """
+        starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
+        if starts.size and (starts.min() < 0 or stops.max() > self.shape[0] or (stops < starts).any()):
+            raise IndexError(f"{self.label}: a range outside [0, {self.shape[0]})")
+        out = np.empty((int((stops - starts).sum()), *self.shape[1:]), dtype=self._layout.dtype)
         rows = self._chunk_rows
-        indices = range(start // rows, (stop - 1) // rows + 1)
-        chunks = map(self._chunk, indices) if len(indices) == 1 else _pool().map(self._chunk, indices)
-        for index, chunk in zip(indices, chunks, strict=True):
-            first, last = max(start, index * rows), min(stop, (index + 1) * rows)
-            out[first - start : last - start] = chunk[first - index * rows : last - index * rows]
+        ranges = list(zip(starts.tolist(), stops.tolist(), strict=True))
+        spans = [range(start // rows, (stop - 1) // rows + 1) for start, stop in ranges if stop > start]
+        indices = sorted({index for span in spans for index in span})
+        decoded = map(self._chunk, indices) if len(indices) == 1 else _pool().map(self._chunk, indices)
+        chunks = dict(zip(indices, decoded, strict=True))
+        at = 0
+        for start, stop in ranges:
+            for index in range(start // rows, (stop - 1) // rows + 1) if stop > start else ():
+                first, last = max(start, index * rows), min(stop, (index + 1) * rows)
+                out[at : at + last - first] = chunks[index][first - index * rows : last - index * rows]
+                at += last - first
         return out

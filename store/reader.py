@@ -9,6 +9,7 @@ chunk file present, at its recorded size), and `FORMAT_1_NOTE` says what that le
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -163,42 +164,69 @@ class TeacherStore:
         """[R] token count of every row."""
         return np.diff(self._offsets)
 
-    def _check_row(self, i: int) -> None:
-        if not 0 <= i < self.num_rows:
-            raise IndexError(f"row {i} out of range: the store has {self.num_rows} rows")
-
     def row(self, i: int) -> Row:
-        self._check_row(i)
+        return self.rows([i])[0]
+
+    def rows(self, indices: Sequence[int] | np.ndarray) -> list[Row]:
+        """The rows `indices`, in that order; each stored chunk they touch is decoded at most once."""
+        indices = self._checked(indices)
         input_ids, loss_mask, teacher_index = self._row_arrays
-        start, stop = int(self._offsets[i]), int(self._offsets[i + 1])
-        return Row(
-            input_ids=torch.from_numpy(input_ids.read(start, stop).astype(np.int64)),
-            loss_mask=torch.from_numpy(loss_mask.read(start, stop).astype(bool)),
-            teacher_index=int(teacher_index[i]),
-        )
+        starts, stops = self._offsets[indices], self._offsets[indices + 1]
+        ids, mask = input_ids.gather(starts, stops), loss_mask.gather(starts, stops)
+        cuts = np.cumsum(stops - starts)[:-1]
+        return [
+            Row(
+                input_ids=torch.from_numpy(row_ids.astype(np.int64)),
+                loss_mask=torch.from_numpy(row_mask.astype(bool)),
+                teacher_index=int(teacher),
+            )
+            for row_ids, row_mask, teacher in zip(
+                np.split(ids, cuts), np.split(mask, cuts), teacher_index[indices], strict=True
+            )
+        ]
+
+    def _checked(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        bad = indices[(indices < 0) | (indices >= self.num_rows)]
+        if bad.size:
+            raise IndexError(f"row {int(bad[0])} out of range: the store has {self.num_rows} rows")
+        return indices
 
     @cached_property
-    def _row_locations(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per row: which shard (index into manifest.shards) holds it, and its position there."""
+    def _row_locations(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per row: which shard (index into manifest.shards) holds it, and where its states start and
+        stop in that shard's `hidden`. Read once, from every shard's row ids and offsets."""
         shard_of = np.full(self.num_rows, -1, dtype=np.int64)
-        position = np.full(self.num_rows, -1, dtype=np.int64)
+        starts = np.zeros(self.num_rows, dtype=np.int64)
+        stops = np.zeros(self.num_rows, dtype=np.int64)
         for k, shard in enumerate(self.manifest.shards):
             row_ids = self._array(shard.path, ROW_IDS).read().astype(np.int64)
-            shard_of[row_ids] = k
-            position[row_ids] = np.arange(row_ids.shape[0])
-        return shard_of, position
+            offsets = self._array(shard.path, OFFSETS).read().astype(np.int64)
+            shard_of[row_ids], starts[row_ids], stops[row_ids] = k, offsets[:-1], offsets[1:]
+        return shard_of, starts, stops
 
     def hidden(self, i: int) -> torch.Tensor:
         """The row's stored teacher hidden states, [L, H], in the stored logical dtype."""
-        self._check_row(i)
-        shard_of, position = self._row_locations
-        if shard_of[i] < 0:
-            raise StoreIntegrityError(f"row {i} is in no shard of the manifest")
-        shard = self.manifest.shards[int(shard_of[i])]
-        p = int(position[i])
-        start, stop = (int(x) for x in self._array(shard.path, OFFSETS).read(p, p + 2))
-        hidden = self._array(shard.path, HIDDEN)
-        return from_storage(hidden.read(start, stop), hidden.logical_dtype)
+        return self.hiddens([i])[0]
+
+    def hiddens(self, indices: Sequence[int] | np.ndarray) -> list[torch.Tensor]:
+        """The hidden states of rows `indices`, in that order; one gather per shard they fall in, so each
+        stored chunk is decoded at most once."""
+        indices = self._checked(indices)
+        shard_of, starts, stops = self._row_locations
+        orphans = indices[shard_of[indices] < 0]
+        if orphans.size:
+            raise StoreIntegrityError(f"row {int(orphans[0])} is in no shard of the manifest")
+        out: list[torch.Tensor] = [torch.empty(0)] * indices.shape[0]
+        for k in np.unique(shard_of[indices]).tolist():
+            where = np.flatnonzero(shard_of[indices] == k)
+            rows = indices[where]
+            hidden = self._array(self.manifest.shards[k].path, HIDDEN)
+            states = from_storage(hidden.gather(starts[rows], stops[rows]), hidden.logical_dtype)
+            parts = states.split((stops - starts)[rows].tolist())
+            for position, part in zip(where.tolist(), parts, strict=True):
+                out[position] = part
+        return out
 
     def lm_head(
         self, teacher_index: int, vocab_start: int = 0, vocab_stop: int | None = None

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mopd.store.reader import TeacherStore
+from mopd.store.reader import Row, TeacherStore
 from mopd.train.data_order import LoaderState, epoch_steps, rank_microbatches
 
 IGNORE = -100  # label of a trained position with no next token
@@ -66,26 +66,44 @@ class Step:
     state_after: LoaderState
 
 
-def read_microbatch(store: TeacherStore, rows: np.ndarray, *, teacher_hidden: bool = True) -> MicroBatch:
-    """Reads rows (tokens, masks, teacher index, hidden states at trained positions) into a microbatch.
+def read_microbatches(
+    store: TeacherStore, microbatch_rows: list[np.ndarray], *, teacher_hidden: bool = True
+) -> list[MicroBatch]:
+    """Reads a step's microbatches (tokens, masks, teacher index, hidden states at trained positions).
 
-    Without `teacher_hidden` (a pipeline stage that computes no loss) the teacher states are not read.
+    The step's rows are read in one batched call per array, so every stored chunk they touch is
+    decoded once however the rows fall into microbatches. Without `teacher_hidden` (a pipeline stage
+    that computes no loss) the teacher states are not read.
     """
-    stored = [store.row(int(r)) for r in rows]
+    every = np.concatenate(microbatch_rows).astype(np.int64)
+    stored = store.rows(every)
+    trained = np.array([teacher_hidden and bool(row.loss_mask.any()) for row in stored], dtype=bool)
+    states = store.hiddens(every[trained]) if trained.any() else []
+    hidden_of = dict(zip(np.flatnonzero(trained).tolist(), states, strict=True))
+    out, at = [], 0
+    for rows in microbatch_rows:
+        positions = range(at, at + len(rows))
+        out.append(_collate(rows, [stored[k] for k in positions], [hidden_of.get(k) for k in positions]))
+        at += len(rows)
+    return out
+
+
+def _collate(rows: np.ndarray, stored: list[Row], states: list[torch.Tensor | None]) -> MicroBatch:
+    """Pads the rows to the longest and keeps each row's teacher states at its trained positions."""
     longest = max(row.input_ids.shape[0] for row in stored)
     input_ids = torch.zeros(len(stored), longest, dtype=torch.long)
     attention = torch.zeros(len(stored), longest, dtype=torch.long)
     loss_mask = torch.zeros(len(stored), longest, dtype=torch.bool)
     labels = torch.full((len(stored), longest), IGNORE, dtype=torch.long)
     hidden: dict[int, list[torch.Tensor]] = {}
-    for b, (r, row) in enumerate(zip(rows, stored, strict=True)):
+    for b, (row, state) in enumerate(zip(stored, states, strict=True)):
         length = row.input_ids.shape[0]
         input_ids[b, :length] = row.input_ids
         attention[b, :length] = 1
         loss_mask[b, :length] = row.loss_mask
         labels[b, : length - 1] = row.input_ids[1:]
-        if teacher_hidden and row.loss_mask.any():
-            hidden.setdefault(row.teacher_index, []).append(store.hidden(int(r))[row.loss_mask])
+        if state is not None:
+            hidden.setdefault(row.teacher_index, []).append(state[row.loss_mask])
     teacher_of_row = torch.tensor([row.teacher_index for row in stored], dtype=torch.long)
     token_row = loss_mask.nonzero()[:, 0]
     return MicroBatch(
@@ -161,8 +179,7 @@ class StoreLoader:
         def produce() -> None:
             try:
                 for micro_rows, after in self._plan(state):
-                    with_teacher = self.teacher_hidden
-                    read = [read_microbatch(self.store, r, teacher_hidden=with_teacher) for r in micro_rows]
+                    read = read_microbatches(self.store, micro_rows, teacher_hidden=self.teacher_hidden)
                     step = Step(read, after)
                     while not stop.is_set():
                         try:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,35 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+class StepClock:
+    """Wall-clock throughput between consecutive steps, and the share of it spent waiting for data.
+
+    A lap runs from the end of one step to the end of the next, so it holds everything the run did in
+    between (the data wait, the step, a checkpoint save or an evaluation): the rate a user's run makes.
+    The first lap starts when the clock is made.
+    """
+
+    def __init__(self) -> None:
+        self._lap_start = time.perf_counter()
+        self._waited = 0.0
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._waited += time.perf_counter() - start
+
+    def lap(self, tokens: int) -> dict[str, float]:
+        """`tokens_per_s` (of wall time) and `data_wait` (fraction of it) since the last lap."""
+        now = time.perf_counter()
+        wall = max(now - self._lap_start, 1e-9)
+        record = {"tokens_per_s": tokens / wall, "data_wait": self._waited / wall, "step_seconds": wall}
+        self._lap_start, self._waited = now, 0.0
+        return record
+
+
 def step_line(record: dict[str, Any], total_steps: int) -> str:
     """The one-line summary printed per step."""
     by_teacher = " ".join(f"t{t}={v:.4g}" for t, v in sorted(record["divergence_by_teacher"].items()))
@@ -54,7 +86,7 @@ def step_line(record: dict[str, Any], total_steps: int) -> str:
         f"step {record['step']}/{total_steps} loss {record['loss']:.5g} div {record['divergence']:.5g} "
         f"[{by_teacher}] min {record['divergence_min']:.3g} max {record['divergence_max']:.3g} "
         f"gnorm {record['grad_norm']:.3g} lr {record['lr']:.3g} {record['tokens_per_s']:,.0f} tok/s "
-        f"mem {record['memory_gib']:.2f} GiB"
+        f"(data wait {record['data_wait']:.0%}) mem {record['memory_gib']:.2f} GiB"
     )
 
 

@@ -37,6 +37,7 @@ RESUMABLE = frozenset(
         "train.parallel.sequence_parallel",
         "train.student",
         "train.init_from",
+        "train.prefetch",
     }
 )
 

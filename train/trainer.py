@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import resource
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,8 +45,8 @@ from mopd.train.data_order import LoaderState, rank_microbatches
 from mopd.train.distributed import DataParallel
 from mopd.train.export import export_hf
 from mopd.train.heads import TeacherHeads
-from mopd.train.loader import MicroBatch, Step, StoreLoader, read_microbatch
-from mopd.train.metrics import PLOT_FILE, MetricsLog, plot_metrics, step_line
+from mopd.train.loader import MicroBatch, Step, StoreLoader, read_microbatches
+from mopd.train.metrics import PLOT_FILE, MetricsLog, StepClock, plot_metrics, step_line
 from mopd.train.objective import Objective, StepStats, teacher_weights
 from mopd.train.run_record import diff_run_records, run_record
 from mopd.train.student import HFStudent, TrainStudent
@@ -120,9 +119,14 @@ class Trainer:
         self.output = Path(output or tc.output_dir)
         torch.manual_seed(tc.seed)
         self.store: TeacherStore = open_store(store_path or config.store.path)
+        manifest = self.store.manifest
+        self.log(
+            f"store {self.store.root}: {self.store.num_rows:,} rows, {manifest.dataset.num_tokens:,} tokens, "
+            f"{len(manifest.teachers)} teachers"
+        )
         if self.store.format_note:
             self.log(f"note: {self.store.format_note}")
-        manifest = self.store.manifest
+        self.log(f"loading student {tc.student} ({tc.backend}, {tc.dtype}) on {self.device}")
         self.student = self._load_student(tc)
         try:
             self._prepare(tc, manifest)
@@ -165,6 +169,7 @@ class Trainer:
             global_batch_tokens=tc.batch.global_batch_tokens,
             dp_rank=self.replicas.rank,
             dp_size=self.replicas.size,
+            prefetch=tc.prefetch,
             teacher_hidden=self.student.holds_loss,
         )
         self.optimizer = torch.optim.AdamW(
@@ -294,7 +299,6 @@ class Trainer:
     def train_step(self, step: int, batch: Step) -> dict:
         """Forward and backward of this replica's microbatches, gradient sum over the replicas, optimiser
         step."""
-        start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         denominator, tokens = self._global_denominator(batch.microbatches)
         stats = StepStats(self.num_teachers)
@@ -315,14 +319,12 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
-        elapsed = time.perf_counter() - start
         return {
             "step": step,
             **stats.record(),
             "grad_norm": grad_norm,
             "lr": lr,
             "tokens": int(tokens),
-            "tokens_per_s": tokens / elapsed,
             "memory_gib": _memory_gib(self.device),
         }
 
@@ -362,16 +364,17 @@ class Trainer:
                 stats.add(per_token, mb.token_teacher, torch.zeros(()))
             return loss, None
 
-        microbatches = [
-            read_microbatch(self.store, rows, teacher_hidden=self.student.holds_loss)
-            for rows in rank_microbatches(
+        microbatches = read_microbatches(
+            self.store,
+            rank_microbatches(
                 self.eval_rows,
                 self.store.lengths,
                 dp_rank=self.replicas.rank,
                 dp_size=self.replicas.size,
                 micro_batch_tokens=self.tc.batch.micro_batch_tokens,
-            )
-        ]
+            ),
+            teacher_hidden=self.student.holds_loss,
+        )
         self.student.forward_backward(microbatches, loss_fn, forward_only=True)
         stats.reduce(self.world)
         self.student.train()
@@ -431,11 +434,15 @@ class Trainer:
                 record,
                 f"eval step 0: divergence {record['divergence']:.5g} {record['divergence_by_teacher']}",
             )
+        self.log(f"training steps {first}..{last}; reading step {first}'s rows")
         steps = self.loader.steps(point.loader if point else LoaderState(self.tc.seed))
+        clock = StepClock()
         try:
             for step in range(first, last + 1):
-                batch = next(steps)
+                with clock.waiting():
+                    batch = next(steps)
                 record = self.train_step(step, batch)
+                record.update(clock.lap(record["tokens"]))
                 emit(record, step_line(record, self.tc.steps))
                 if step % self.tc.checkpoint.every == 0 or step == last:
                     result.checkpoint = save_checkpoint(

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mopd.store import open_store
+from mopd.store.chunks import ArrayReader, clear_cache
 from tests.store.synthetic import VOCAB_SIZE, StoreSpec, build_store, head_for, hidden_for, tokens_for
 from tests.tolerance import assert_close
 
@@ -130,3 +131,40 @@ def test_an_all_zero_chunk_is_written_and_read_back(tmp_path: Path) -> None:
     write_array(tmp_path / "a", data, chunk_bytes=16 * 4 * 2, codec="shuffle-zstd1")
     assert sorted(p.name for p in (tmp_path / "a" / "c").iterdir()) == ["0", "1", "2", "3"]
     assert np.array_equal(ArrayReader(tmp_path / "a", label="a").read(), data)
+
+
+def test_batched_reads_decode_each_chunk_once(small_spec: StoreSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rows` / `hiddens` of rows in any order (repeats too) equal the written data, and one call
+    decodes each chunk it touches exactly once, however many of its rows fall in that chunk."""
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 60, size=40).tolist()
+    spec = dataclasses.replace(
+        small_spec, lengths=lengths, agents=["math", "code"] * 20, rows_per_task=7, chunk_bytes=1 << 14
+    )
+    build_store(spec)
+    store = open_store(spec.root)
+    wanted = np.array([*rng.permutation(40)[:25], 3, 3, 0])
+    store.rows([0]), store.hiddens([0])  # row metadata (offsets, teachers, shard maps), read once
+    decoded: list[tuple[str, int]] = []
+    original = ArrayReader._decode
+    monkeypatch.setattr(
+        ArrayReader,
+        "_decode",
+        lambda self, index: decoded.append((self.label, index)) or original(self, index),
+    )
+    clear_cache()
+    rows, states = store.rows(wanted), store.hiddens(wanted)
+    batched = list(decoded)
+    decoded.clear()
+    for i in wanted.tolist():  # the chunks each row needs, read alone with nothing cached
+        clear_cache()
+        store.row(i), store.hidden(i)
+    # Exactly the chunks the rows need, each once (read alone, the rows decoded 3x as many).
+    assert sorted(batched) == sorted(set(decoded)) and len(decoded) > 2 * len(batched)
+    for i, row, hidden in zip(wanted.tolist(), rows, states, strict=True):
+        assert torch.equal(row.input_ids, torch.from_numpy(tokens_for(i, lengths[i])))
+        teacher = store.teacher(row.teacher_index)
+        expected = hidden_for(i, teacher.index, lengths[i], teacher.hidden_size, torch.float32)
+        assert torch.equal(hidden.view(torch.int32), expected.view(torch.int32))
+    with pytest.raises(IndexError, match="row 40 out of range"):
+        store.hiddens([1, 40])

@@ -11,7 +11,7 @@ import torch
 
 from mopd.store.reader import TeacherStore, open_store
 from mopd.train.data_order import LoaderState
-from mopd.train.loader import IGNORE, StoreLoader, read_microbatch
+from mopd.train.loader import IGNORE, StoreLoader, read_microbatches
 from tests.train.world import World
 
 
@@ -23,7 +23,7 @@ def loader(store: TeacherStore, **kwargs: int) -> StoreLoader:
 def test_a_microbatch_holds_its_rows_padded_to_its_own_longest(world: World) -> None:
     store = open_store(world.store)
     rows = np.array([5, 2, 9])
-    mb = read_microbatch(store, rows)
+    mb = read_microbatches(store, [rows])[0]
     lengths = store.lengths[rows]
     assert mb.input_ids.shape == (3, lengths.max())
     for b, r in enumerate(rows):
@@ -52,9 +52,9 @@ def test_a_stage_without_the_loss_reads_no_teacher_states(
     """A pipeline stage before the last gets the same tokens and masks and never reads hidden states."""
     store = open_store(world.store)
     rows = np.array([5, 2, 9])
-    full = read_microbatch(store, rows)
-    monkeypatch.setattr(store, "hidden", lambda row: pytest.fail(f"read teacher states of row {row}"))
-    bare = read_microbatch(store, rows, teacher_hidden=False)
+    full = read_microbatches(store, [rows])[0]
+    monkeypatch.setattr(store, "hiddens", lambda rows: pytest.fail(f"read teacher states of rows {rows}"))
+    bare = read_microbatches(store, [rows], teacher_hidden=False)[0]
     assert bare.teacher_hidden == {}
     for name in ("input_ids", "attention_mask", "loss_mask", "token_teacher", "token_row", "labels"):
         assert torch.equal(getattr(bare, name), getattr(full, name)), name
@@ -88,12 +88,12 @@ def test_a_read_error_in_the_background_reaches_the_trainer(
     store = open_store(world.store)
     calls = itertools.count()
 
-    def failing_hidden(i: int) -> torch.Tensor:
-        if next(calls) == 20:
+    def failing_hiddens(rows: np.ndarray) -> list[torch.Tensor]:
+        if next(calls) == 3:
             raise OSError("disk went away")
-        return TeacherStore.hidden(store, i)
+        return TeacherStore.hiddens(store, rows)
 
-    monkeypatch.setattr(store, "hidden", failing_hidden)
+    monkeypatch.setattr(store, "hiddens", failing_hiddens)
     with pytest.raises(OSError, match="disk went away"):
         for _ in loader(store).steps(LoaderState(seed=0)):
             pass

@@ -167,9 +167,11 @@ def test_a_student_with_fewer_rows_than_tokens_is_refused(padded: Padded, tmp_pa
     config = padded.config(tmp_path, student=short)
     result = CliRunner().invoke(cli, ["train", str(config)])
     assert result.exit_code == 1
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert "its output layer has 200 rows, fewer than the 259 tokens" in lines[0]
+    # What train was doing (the store it opened, the student it loaded), then the error in one line.
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and result.stderr.rstrip().endswith(errors[0]), result.stderr
+    assert "Traceback" not in result.stderr
+    assert "its output layer has 200 rows, fewer than the 259 tokens" in errors[0]
 
 
 def test_inspect_shows_padded_and_real_vocabularies(padded: Padded) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 
 from mopd.store.completion import COMPLETE, write_complete
 from mopd.store.errors import ConfigError, ManifestError
-from mopd.store.reader import open_store
+from mopd.store.reader import TeacherStore, open_store
 from mopd.store.teachers import TEACHER_LIST_FILE
 from mopd.train.checkpoint import complete_checkpoints
 from mopd.train.metrics import METRICS_FILE, PLOT_FILE, read_metrics
@@ -38,6 +39,8 @@ REQUIRED_KEYS = {
     "divergence_max",
     "grad_norm",
     "tokens_per_s",
+    "data_wait",
+    "step_seconds",
 }
 
 
@@ -102,6 +105,32 @@ def test_learning_from_two_teachers_halves_held_out_divergence(world: World, tmp
     png = (tmp_path / "run" / PLOT_FILE).read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
     assert [p.name for p in complete_checkpoints(tmp_path / "run" / "checkpoints")] == ["step_00000200"]
+
+
+def test_throughput_is_of_wall_time_and_counts_the_data_wait(
+    world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that takes 0.5 s per read: the step line's rate is tokens over the whole time between
+    steps and `data_wait` the share spent waiting for the loader, not the rate of the step alone."""
+    trainer = Trainer(world_config(world, tmp_path, steps=3), log=lambda _line: None)
+    slow = TeacherStore.hiddens
+
+    def slow_hiddens(store: TeacherStore, rows: np.ndarray) -> list[torch.Tensor]:
+        time.sleep(0.5)
+        return slow(store, rows)
+
+    monkeypatch.setattr(TeacherStore, "hiddens", slow_hiddens)
+    lines: list[str] = []
+    trainer.log = lines.append
+    records = trainer.run().records
+    # The three reads run one after another in the loader's thread, all after the clock starts.
+    assert sum(r["step_seconds"] for r in records) >= 3 * 0.5
+    for record in records:
+        assert_close(record["tokens_per_s"] * record["step_seconds"], record["tokens"], rtol=sum_rtol(2))
+        assert 0.0 <= record["data_wait"] <= 1.0
+    # The reads, one step ahead at most, outlast the tiny student's steps: the run waits on them.
+    assert records[-1]["data_wait"] > 0.3
+    assert lines[0].startswith("training steps 1..3") and " (data wait " in lines[1]
 
 
 def _student_reference(trainer: Trainer, rows: np.ndarray) -> torch.Tensor:
