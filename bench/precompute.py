@@ -111,13 +111,11 @@ def main() -> None:
     )
     teachers = resolve_teachers(config)
     rng = np.random.default_rng(0)
-    rows = TokenizedRows(
-        input_ids=[rng.integers(0, 49152, size=args.length) for _ in range(args.rows)],
-        loss_mask=[np.ones(args.length, np.uint8) for _ in range(args.rows)],
-        agents=["smol"] * args.rows,
-        source_keys=[str(i) for i in range(args.rows)],
+    rows = TokenizedRows.from_lists(
+        [rng.integers(0, 49152, size=args.length) for _ in range(args.rows)],
+        [np.ones(args.length, np.uint8) for _ in range(args.rows)],
         teacher_index=np.zeros(args.rows, dtype=np.int64),
-        input_format="input_ids",
+        source_keys=[str(i) for i in range(args.rows)],
     )
     loaded, load_s = {}, {}
     for backend in ["hf", *[b for b in args.backends if b != "hf"]]:  # hf is the overhead baseline

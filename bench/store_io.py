@@ -108,8 +108,9 @@ def store_write(
     with writer.task("rows") as out:
         write_rows(
             out,
-            input_ids=[np.zeros(n, np.int32) for n in lengths],
-            loss_mask=[np.ones(n, np.uint8) for n in lengths],
+            input_ids=np.zeros(int(offsets[-1]), np.int32),
+            loss_mask=np.ones(int(offsets[-1]), np.uint8),
+            offsets=offsets,
             teacher_index=teacher_index,
             source_keys=[str(i) for i in range(num_rows)],
         )

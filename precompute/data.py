@@ -16,52 +16,133 @@ left out (`overlong: drop`); both are counted.
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from mopd.store.config import DataConfig, RoutingConfig
 from mopd.store.errors import ConfigError
 
 FORMATS = ("input_ids", "messages", "prompt+completion", "text")
+_ROWS_PER_PROCESS = 10_000  # fewer rows per process than this tokenise faster in one (process start-up)
 
 
-@dataclass
+class RaggedColumn:
+    """One list column of the tokenised rows, read row by row from its (memory-mapped) Arrow buffers."""
+
+    def __init__(self, column: pa.ChunkedArray, dtype: type) -> None:
+        lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)])
+        self._values = pc.list_flatten(column)
+        self._dtype = dtype
+
+    def __len__(self) -> int:
+        return self.offsets.shape[0] - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self._values.slice(start, stop - start).to_numpy(zero_copy_only=False).astype(self._dtype)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[i] for i in range(len(self)))
+
+    def flat(self) -> np.ndarray:
+        """Every row's values end to end (row i is flat()[offsets[i]:offsets[i + 1]])."""
+        return self._values.to_numpy(zero_copy_only=False).astype(self._dtype)
+
+
 class TokenizedRows:
-    """The dataset after tokenisation and routing; row i of every list is row i of the store."""
+    """The dataset after tokenisation and routing, as Arrow columns; row i of each is row i of the store.
 
-    input_ids: list[np.ndarray]
-    loss_mask: list[np.ndarray]
-    agents: list[str]
-    source_keys: list[str]
-    teacher_index: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    num_truncated: int = 0
-    num_dropped: int = 0
-    input_format: str = ""
+    Row metadata (lengths, teacher index) is held in memory; tokens and masks are read per row from the
+    Arrow buffers (memory-mapped when the rows come from the ingest cache), so a job touches only the
+    rows of its own tasks.
+    """
+
+    def __init__(self, table: pa.Table, meta: Mapping[str, Any]) -> None:
+        self.table = table
+        self.meta = dict(meta)
+        self.input_ids = RaggedColumn(table.column("input_ids"), np.int64)
+        self.loss_mask = RaggedColumn(table.column("loss_mask"), np.uint8)
+        self.teacher_index = table.column("teacher_index").to_numpy().astype(np.int64)
+        self.lengths = np.diff(self.input_ids.offsets)
+        self.input_format: str = meta["input_format"]
+        self.num_truncated: int = meta["num_truncated"]
+        self.num_dropped: int = meta["num_dropped"]
+        self._fingerprint: str = meta["fingerprint"]
+
+    @classmethod
+    def from_lists(
+        cls,
+        input_ids: Sequence[np.ndarray],
+        loss_mask: Sequence[np.ndarray],
+        *,
+        teacher_index: np.ndarray,
+        source_keys: Sequence[str],
+        input_format: str = "input_ids",
+    ) -> TokenizedRows:
+        """Rows held in memory (benchmarks and tests), with the fingerprint computed as ingest does."""
+        table = pa.table(
+            {
+                "input_ids": pa.array([np.asarray(r, np.int32) for r in input_ids], pa.list_(pa.int32())),
+                "loss_mask": pa.array([np.asarray(m, np.uint8) for m in loss_mask], pa.list_(pa.uint8())),
+                "agent": pa.array([""] * len(input_ids), pa.string()),
+                "source_key": pa.array(list(source_keys), pa.string()),
+                "teacher_index": pa.array(np.asarray(teacher_index, np.int16)),
+                "truncated": pa.array([False] * len(input_ids)),
+            }
+        )
+        meta = {"input_format": input_format, "num_truncated": 0, "num_dropped": 0}
+        return cls(table, {**meta, "fingerprint": rows_fingerprint(table)})
 
     @property
     def num_rows(self) -> int:
-        return len(self.input_ids)
+        return int(self.lengths.shape[0])
 
     @property
-    def lengths(self) -> np.ndarray:
-        return np.array([len(ids) for ids in self.input_ids], dtype=np.int64)
+    def agents(self) -> list[str]:
+        return [str(a) for a in self.table.column("agent").to_pylist()]
+
+    @property
+    def source_keys(self) -> list[str]:
+        return [str(k) for k in self.table.column("source_key").to_pylist()]
 
     def fingerprint(self) -> str:
         """sha256 of every row's tokens, mask, teacher index and source key: the dataset's identity."""
-        digest = hashlib.sha256()
-        for ids, mask, teacher, key in zip(
-            self.input_ids, self.loss_mask, self.teacher_index, self.source_keys, strict=True
-        ):
-            digest.update(np.int64(len(ids)).tobytes() + ids.astype("<i4").tobytes())
-            digest.update(
-                mask.astype(np.uint8).tobytes() + np.int64(teacher).tobytes() + key.encode() + b"\0"
-            )
-        return digest.hexdigest()
+        return self._fingerprint
+
+
+def rows_fingerprint(table: pa.Table) -> str:
+    """The dataset fingerprint of tokenised rows (`TokenizedRows.fingerprint`), in one pass over them:
+    per row, its length (int64), tokens (int32), mask (uint8), teacher index (int64), source key, NUL."""
+    digest = hashlib.sha256()
+    for batch in table.to_batches(max_chunksize=8192):
+        ids, masks = batch.column("input_ids"), batch.column("loss_mask")
+        lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        id_bytes = pc.list_flatten(ids).to_numpy(zero_copy_only=False).astype("<i4").tobytes()
+        mask_bytes = pc.list_flatten(masks).to_numpy(zero_copy_only=False).astype(np.uint8).tobytes()
+        teachers = batch.column("teacher_index").to_numpy(zero_copy_only=False).astype("<i8")
+        keys = batch.column("source_key").to_pylist()
+        parts = []
+        for k in range(lengths.shape[0]):
+            a, b = int(offsets[k]), int(offsets[k + 1])
+            parts += [
+                lengths[k : k + 1].astype("<i8").tobytes(),
+                id_bytes[4 * a : 4 * b],
+                mask_bytes[a:b],
+                teachers[k : k + 1].tobytes(),
+                str(keys[k]).encode(),
+                b"\0",
+            ]
+        digest.update(b"".join(parts))
+    return digest.hexdigest()
 
 
 def load_records(path: str | Path) -> Any:
@@ -150,27 +231,37 @@ def _tokenize_messages(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[
     return ids, _next_token_mask(trained)
 
 
-def _tokenize_row(
-    record: Mapping[str, Any], input_format: str, tokenizer: Any
-) -> tuple[np.ndarray, np.ndarray]:
-    if input_format == "input_ids":
-        ids = np.asarray(record["input_ids"], dtype=np.int64)
-        if record.get("loss_mask") is not None:
-            mask = np.asarray(record["loss_mask"], dtype=np.uint8)
-            if mask.shape != ids.shape:
-                raise ConfigError(f"loss_mask has {mask.shape[0]} entries for {ids.shape[0]} input_ids")
-            return ids, mask
-        return ids, _next_token_mask(np.ones_like(ids, dtype=np.uint8))
-    if input_format == "messages":
-        return _tokenize_messages(tokenizer, list(record["messages"]))
+def _tokenize_records(
+    batch: Mapping[str, list[Any]], input_format: str, tokenizer: Any
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(token ids, loss mask) of every record of a batch; text is tokenised in one batched call."""
+    size = len(next(iter(batch.values())))
+    if input_format == "text":
+        encoded = tokenizer(batch["text"])["input_ids"]
+        rows = [np.asarray(e, dtype=np.int64) for e in encoded]
+        return [(ids, _next_token_mask(np.ones_like(ids, dtype=np.uint8))) for ids in rows]
     if input_format == "prompt+completion":
-        prompt = tokenizer(record["prompt"])["input_ids"]
-        completion = tokenizer(record["completion"], add_special_tokens=False)["input_ids"]
-        ids = np.array([*prompt, *completion], dtype=np.int64)
-        trained = np.r_[np.zeros(len(prompt), np.uint8), np.ones(len(completion), np.uint8)]
-        return ids, _next_token_mask(trained)
-    ids = np.array(tokenizer(record["text"])["input_ids"], dtype=np.int64)
-    return ids, _next_token_mask(np.ones_like(ids, dtype=np.uint8))
+        prompts = tokenizer(batch["prompt"])["input_ids"]
+        completions = tokenizer(batch["completion"], add_special_tokens=False)["input_ids"]
+        out = []
+        for prompt, completion in zip(prompts, completions, strict=True):
+            trained = np.r_[np.zeros(len(prompt), np.uint8), np.ones(len(completion), np.uint8)]
+            out.append((np.array([*prompt, *completion], dtype=np.int64), _next_token_mask(trained)))
+        return out
+    if input_format == "messages":
+        return [_tokenize_messages(tokenizer, list(m)) for m in batch["messages"]]
+    out = []
+    for k in range(size):
+        ids = np.asarray(batch["input_ids"][k], dtype=np.int64)
+        given = batch["loss_mask"][k] if "loss_mask" in batch else None
+        if given is None:
+            out.append((ids, _next_token_mask(np.ones_like(ids, dtype=np.uint8))))
+            continue
+        mask = np.asarray(given, dtype=np.uint8)
+        if mask.shape != ids.shape:
+            raise ConfigError(f"loss_mask has {mask.shape[0]} entries for {ids.shape[0]} input_ids")
+        out.append((ids, mask))
+    return out
 
 
 def route(
@@ -178,21 +269,83 @@ def route(
     routing: RoutingConfig,
     agent_to_alias: Mapping[str, str],
     alias_index: Mapping[str, int],
+    *,
+    row_ids: Sequence[int] | None = None,
 ) -> np.ndarray:
     """Teacher index per row: agent → alias → checkpoint index; unknown agents only with a default.
 
     Raises:
-        ConfigError: naming the first unknown agent and its row.
+        ConfigError: naming the first unknown agent and its row (`row_ids[k]` for the k-th agent).
     """
     out = np.empty(len(agents), dtype=np.int64)
-    for row, agent in enumerate(agents):
+    for k, agent in enumerate(agents):
         alias = agent_to_alias.get(agent, routing.default_teacher)
         if alias is None:
             raise ConfigError(
-                f"row {row}: agent {agent!r} has no teacher (routing.teacher_by_agent knows "
-                f"{sorted(agent_to_alias)}); add it there or set routing.default_teacher"
+                f"row {row_ids[k] if row_ids is not None else k}: agent {agent!r} has no teacher "
+                f"(routing.teacher_by_agent knows {sorted(agent_to_alias)}); add it there or set "
+                "routing.default_teacher"
             )
-        out[row] = alias_index[alias]
+        out[k] = alias_index[alias]
+    return out
+
+
+ROW_FEATURES = {
+    "input_ids": ("list", "int32"),
+    "loss_mask": ("list", "uint8"),
+    "agent": ("value", "string"),
+    "source_key": ("value", "string"),
+    "teacher_index": ("value", "int16"),
+    "truncated": ("value", "bool"),
+}
+
+
+def _row_features() -> Any:
+    import datasets
+
+    return datasets.Features(
+        {
+            name: datasets.List(datasets.Value(dtype)) if kind == "list" else datasets.Value(dtype)
+            for name, (kind, dtype) in ROW_FEATURES.items()
+        }
+    )
+
+
+def _tokenize_batch(
+    batch: dict[str, list[Any]],
+    indices: list[int],
+    *,
+    input_format: str,
+    tokenizer: Any,
+    data: DataConfig,
+    routing: RoutingConfig,
+    agent_to_alias: Mapping[str, str],
+    alias_index: Mapping[str, int],
+) -> dict[str, list[Any]]:
+    """One `datasets.map` batch: tokenise, apply the max_length policy (a dropped row is left out of
+    the output), route. `indices` are the rows' positions in the source, which errors name."""
+    out: dict[str, list[Any]] = {name: [] for name in ROW_FEATURES}
+    kept: list[int] = []
+    for k, (i, (ids, mask)) in enumerate(
+        zip(indices, _tokenize_records(batch, input_format, tokenizer), strict=True)
+    ):
+        if ids.shape[0] == 0:
+            raise ConfigError(f"row {i} tokenizes to no tokens")
+        truncated = ids.shape[0] > data.max_length
+        if truncated:
+            if data.overlong == "drop":
+                continue
+            ids, mask = ids[: data.max_length], mask[: data.max_length].copy()
+            mask[-1] = 0  # its next token was cut off
+        key = batch["id"][k] if "id" in batch else None
+        out["input_ids"].append(ids.astype(np.int32))
+        out["loss_mask"].append(mask.astype(np.uint8))
+        out["agent"].append(str(batch[routing.field][k]) if routing.field in batch else "")
+        key = str(key) if key is not None else hashlib.sha256(ids.tobytes()).hexdigest()[:16]
+        out["source_key"].append(key)
+        out["truncated"].append(truncated)
+        kept.append(i)
+    out["teacher_index"] = route(out["agent"], routing, agent_to_alias, alias_index, row_ids=kept).tolist()
     return out
 
 
@@ -204,13 +357,21 @@ def tokenize_dataset(
     agent_to_alias: Mapping[str, str],
     alias_index: Mapping[str, int],
     tokenizer: Any,
-    progress: Callable[[int], None] | None = None,
+    num_proc: int | None = None,
+    show_progress: bool = False,
+    cache_file: Path | None = None,
 ) -> TokenizedRows:
-    """Tokenizes, applies the max_length policy and routes every row.
+    """Tokenizes, applies the max_length policy and routes every row (a batched `datasets.map`).
+
+    Args:
+        num_proc: tokenising processes (None or 1: this one). The output's row order is the source's.
+        cache_file: where `map` writes its Arrow output (None: memory, or datasets' own cache).
 
     Raises:
         ConfigError: empty dataset, unsupported columns, missing routing column, unknown agent.
     """
+    import datasets
+
     columns = list(records.column_names)
     if len(records) == 0:
         raise ConfigError(f"data.path {data.path} holds no rows")
@@ -220,31 +381,44 @@ def tokenize_dataset(
             f"dataset has no routing column {routing.field!r} (columns: {sorted(columns)}); add it, set "
             "routing.field to the column that names each row's agent, or set routing.default_teacher"
         )
-    out = TokenizedRows(input_ids=[], loss_mask=[], agents=[], source_keys=[], input_format=input_format)
-    for i, record in enumerate(records):
-        ids, mask = _tokenize_row(record, input_format, tokenizer)
-        if ids.shape[0] == 0:
-            raise ConfigError(f"row {i} tokenizes to no tokens")
-        if ids.shape[0] > data.max_length:
-            if data.overlong == "drop":
-                out.num_dropped += 1
-                continue
-            ids, mask = ids[: data.max_length], mask[: data.max_length].copy()
-            mask[-1] = 0  # its next token was cut off
-            out.num_truncated += 1
-        out.input_ids.append(ids)
-        out.loss_mask.append(mask)
-        out.agents.append(str(record[routing.field]) if routing.field in record else "")
-        key = record.get("id")
-        out.source_keys.append(
-            str(key) if key is not None else hashlib.sha256(ids.tobytes()).hexdigest()[:16]
+    tokenize = functools.partial(
+        _tokenize_batch,
+        input_format=input_format,
+        tokenizer=tokenizer,
+        data=data,
+        routing=routing,
+        agent_to_alias=dict(agent_to_alias),
+        alias_index=dict(alias_index),
+    )
+    worth_it = num_proc is not None and num_proc > 1 and len(records) >= _ROWS_PER_PROCESS * num_proc
+    processes = num_proc if worth_it else None
+    if show_progress:
+        datasets.enable_progress_bars()
+    try:
+        mapped = records.map(
+            tokenize,
+            batched=True,
+            batch_size=1000,
+            with_indices=True,
+            remove_columns=columns,
+            features=_row_features(),
+            num_proc=processes,
+            cache_file_name=str(cache_file) if cache_file is not None else None,
+            load_from_cache_file=False,
+            desc="tokenising rows",
         )
-        if progress is not None:
-            progress(1)
-    if out.num_rows == 0:
+    finally:
+        datasets.disable_progress_bars()
+    if len(mapped) == 0:
         raise ConfigError(
             f"every row of {data.path} is longer than data.max_length={data.max_length} "
             "and overlong: drop left none"
         )
-    out.teacher_index = route(out.agents, routing, agent_to_alias, alias_index)
-    return out
+    table = mapped.data.table
+    meta = {
+        "input_format": input_format,
+        "num_truncated": int(pc.sum(table.column("truncated")).as_py() or 0),
+        "num_dropped": len(records) - len(mapped),
+        "fingerprint": rows_fingerprint(table),
+    }
+    return TokenizedRows(table, meta)

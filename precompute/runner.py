@@ -19,8 +19,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from mopd.precompute.data import TokenizedRows, load_records, tokenize_dataset
+from mopd.precompute.data import TokenizedRows
 from mopd.precompute.hf_backend import HFTeacher, resolve_dtype
+from mopd.precompute.ingest import INGEST_DIR, ingest
 from mopd.precompute.progress import TokenProgress
 from mopd.precompute.teachers import TeacherSet, load_tokenizer, resolve_teachers
 from mopd.store.batching import pack_batches, select_tasks
@@ -261,14 +262,19 @@ def run_precompute(
         )
     store = Path(store_path or config.store.path)
     teachers = resolve_teachers(config)
-    tokenizer = load_tokenizer(teachers.tokenizer_path, trust_remote_code=config.precompute.trust_remote_code)
-    rows = tokenize_dataset(
-        load_records(config.data.path),
+    rows = ingest(
         data=config.data,
         routing=config.routing,
         agent_to_alias=config.agent_to_alias(),
         alias_index=teachers.alias_index,
-        tokenizer=tokenizer,
+        tokenizer_path=teachers.tokenizer_path,
+        load_tokenizer=lambda: load_tokenizer(
+            teachers.tokenizer_path, trust_remote_code=config.precompute.trust_remote_code
+        ),
+        cache=store / INGEST_DIR,
+        num_proc=config.data.num_proc or min(8, os.cpu_count() or 1),
+        show_progress=show_progress,
+        log=log,
     )
     device = resolve_device(config.precompute.device)
     compute_dtype = str(resolve_dtype(config.precompute.dtype, device)).removeprefix("torch.")
@@ -317,8 +323,9 @@ def run_precompute(
                 with writer.task(task.task_id) as out:
                     write_rows(
                         out,
-                        input_ids=rows.input_ids,
-                        loss_mask=rows.loss_mask,
+                        input_ids=rows.input_ids.flat(),
+                        loss_mask=rows.loss_mask.flat(),
+                        offsets=rows.input_ids.offsets,
                         teacher_index=rows.teacher_index,
                         source_keys=rows.source_keys,
                     )

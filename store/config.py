@@ -35,6 +35,9 @@ class DataConfig(_Section):
     max_length: int = Field(2048, gt=0)
     # Rows longer than max_length: cut to max_length ("truncate") or left out ("drop").
     overlong: Literal["truncate", "drop"] = "truncate"
+    # Processes that tokenise the dataset (once per store: later jobs read the ingest cache). Default:
+    # the machine's cores, at most 8; datasets under 10k rows per process tokenise in one.
+    num_proc: int | None = Field(None, ge=1)
 
 
 class StoreConfig(_Section):
@@ -146,6 +149,8 @@ class TrainConfig(_Section):
     # train/vocabulary.py). Set it only when the tokenizer's added tokens sit past the models' rows.
     vocab_size: int | None = Field(None, gt=0)
     eval: EvalConfig = EvalConfig()
+    # Steps the loader reads ahead of training, in a background thread (their rows stay in memory).
+    prefetch: int = Field(2, ge=1)
     output_dir: str = "out/run"
     checkpoint: CheckpointConfig = CheckpointConfig()
 

@@ -25,32 +25,39 @@ from mopd.store.manifest import HeadInfo
 from mopd.store.writer import TaskOutput
 
 
+def pack_rows(rows: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged rows end to end, and where each starts: (values, offsets [R + 1])."""
+    lengths = np.array([len(row) for row in rows], dtype=np.int64)
+    values = np.concatenate(rows) if len(rows) else np.zeros(0)
+    return values, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
 def write_rows(
     output: TaskOutput,
     *,
-    input_ids: Sequence[np.ndarray],
-    loss_mask: Sequence[np.ndarray],
+    input_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    offsets: np.ndarray,
     teacher_index: np.ndarray,
     source_keys: Sequence[str],
 ) -> None:
-    """Writes every row's tokens, loss mask, teacher index and source key (ragged, packed end to end).
+    """Writes every row's tokens, loss mask, teacher index and source key; tokens and masks come packed
+    end to end (row i is `input_ids[offsets[i]:offsets[i + 1]]`, see `pack_rows`).
 
     `loss_mask[t] = 1` means the prediction made at position t (of token t+1) is trained.
     """
-    lengths = np.array([len(ids) for ids in input_ids], dtype=np.int64)
-    if any(len(m) != n for m, n in zip(loss_mask, lengths, strict=True)):
-        raise ValueError("every loss_mask must have its row's length")
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    flat_ids = np.concatenate(input_ids).astype(np.int32) if len(input_ids) else np.zeros(0, np.int32)
-    flat_mask = np.concatenate(loss_mask).astype(np.uint8) if len(loss_mask) else np.zeros(0, np.uint8)
-    arrays = rows_arrays(int(lengths.shape[0]), int(offsets[-1]))
-    output.write(arrays[INPUT_IDS], flat_ids)
-    output.write(arrays[LOSS_MASK], flat_mask)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    num_rows, num_tokens = offsets.shape[0] - 1, int(offsets[-1])
+    if input_ids.shape != (num_tokens,) or loss_mask.shape != (num_tokens,):
+        raise ValueError("input_ids and loss_mask must hold offsets[-1] values each")
+    arrays = rows_arrays(num_rows, num_tokens)
+    output.write(arrays[INPUT_IDS], input_ids.astype(np.int32, copy=False))
+    output.write(arrays[LOSS_MASK], loss_mask.astype(np.uint8, copy=False))
     output.write(arrays[OFFSETS], offsets)
     output.write(arrays[TEACHER_INDEX], np.asarray(teacher_index, dtype=np.int16))
     output.write_strings(arrays[SOURCE_KEY], [str(key) for key in source_keys])
-    output.num_rows = int(lengths.shape[0])
-    output.num_tokens = int(offsets[-1])
+    output.num_rows = num_rows
+    output.num_tokens = num_tokens
 
 
 def write_lm_head(

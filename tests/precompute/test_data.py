@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import datasets
 import numpy as np
 import pytest
 
-from mopd.precompute.data import load_records, route, tokenize_dataset
+from mopd.precompute import data
+from mopd.precompute.data import TokenizedRows, load_records, route, tokenize_dataset
+from mopd.precompute.ingest import ingest
 from mopd.store.config import DataConfig, RoutingConfig
 from mopd.store.errors import ConfigError
 from tests.precompute.teachers import make_tokenizer, write_jsonl
@@ -19,11 +22,12 @@ def tokenizer():  # type: ignore[no-untyped-def]
     return make_tokenizer()
 
 
-def tokenize(records: list[dict], tokenizer, **data) -> object:  # type: ignore[no-untyped-def]
+def tokenize(records: list[dict], tokenizer, num_proc: int | None = None, **config) -> TokenizedRows:  # type: ignore[no-untyped-def]
     ds = datasets.Dataset.from_list(records)
     return tokenize_dataset(
         ds,
-        data=DataConfig(path="x", **data),
+        num_proc=num_proc,
+        data=DataConfig(path="x", **config),
         routing=RoutingConfig(),
         agent_to_alias={"a": "a", "b": "b"},
         alias_index={"a": 0, "b": 1},
@@ -111,3 +115,69 @@ def test_routing_default_and_unknown_agent() -> None:
     assert route(["a", "zzz"], routing, {"a": "a"}, {"a": 0, "b": 1}).tolist() == [0, 1]
     with pytest.raises(ConfigError, match=r"row 1: agent 'zzz' has no teacher"):
         route(["a", "zzz"], RoutingConfig(), {"a": "a"}, {"a": 0})
+
+
+def reference_fingerprint(rows: TokenizedRows) -> str:
+    """The dataset fingerprint as stores of format 1 and 2 define it, row by row."""
+    digest = hashlib.sha256()
+    for ids, mask, teacher, key in zip(
+        rows.input_ids, rows.loss_mask, rows.teacher_index, rows.source_keys, strict=True
+    ):
+        digest.update(np.int64(len(ids)).tobytes() + ids.astype("<i4").tobytes())
+        digest.update(mask.astype(np.uint8).tobytes() + np.int64(teacher).tobytes() + key.encode() + b"\0")
+    return digest.hexdigest()
+
+
+def test_the_dataset_fingerprint_keeps_its_definition(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Over more rows than one hashing batch (8192), ids with and without keys, two teachers."""
+    rng = np.random.default_rng(0)
+    records = [
+        {"agent": "ab"[i % 2], "input_ids": rng.integers(0, 400, size=1 + i % 7).tolist()}
+        | ({"id": f"k{i}"} if i % 3 else {})
+        for i in range(9000)
+    ]
+    rows = tokenize(records, tokenizer)
+    assert rows.num_rows == 9000 and rows.fingerprint() == reference_fingerprint(rows)
+
+
+def test_tokenising_in_several_processes_changes_nothing(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    records = [{"agent": "ab"[i % 2], "text": f"row {i} says {'hi ' * (i % 5)}"} for i in range(50)]
+    one = tokenize(records, tokenizer)
+    monkeypatch.setattr(data, "_ROWS_PER_PROCESS", 1)
+    two = tokenize(records, tokenizer, num_proc=2)
+    assert two.table.equals(one.table) and two.fingerprint() == one.fingerprint()
+
+
+def test_a_second_ingest_reads_the_first_ones_rows(tmp_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The second job tokenises nothing and gets the identical rows; what decides the rows (the source
+    bytes, max_length) gives a new cache entry."""
+    tokenizer.save_pretrained(tmp_path / "tok")
+    source = write_jsonl(
+        tmp_path / "d.jsonl", [{"agent": "ab"[i % 2], "text": f"row {i}"} for i in range(30)]
+    )
+    logs: list[str] = []
+
+    def run(max_length: int = 100, *, tokenize_ok: bool = True) -> TokenizedRows:
+        return ingest(
+            data=DataConfig(path=str(source), max_length=max_length),
+            routing=RoutingConfig(),
+            agent_to_alias={"a": "a", "b": "b"},
+            alias_index={"a": 0, "b": 1},
+            tokenizer_path=str(tmp_path / "tok"),
+            load_tokenizer=lambda: tokenizer if tokenize_ok else pytest.fail("tokenised again"),
+            cache=tmp_path / "cache",
+            num_proc=None,
+            show_progress=False,
+            log=logs.append,
+        )
+
+    first = run()
+    second = run(tokenize_ok=False)
+    assert second.table.equals(first.table) and second.fingerprint() == first.fingerprint()
+    assert second.fingerprint() == reference_fingerprint(second)
+    assert "tokenised" in logs[0] and "reading the tokenised rows" in logs[1]
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    assert run(max_length=3).num_truncated == 30
+    write_jsonl(source, [{"agent": "a", "text": "other"}])
+    assert run().num_rows == 1
+    assert len(list((tmp_path / "cache").iterdir())) == 3

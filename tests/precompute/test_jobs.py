@@ -67,7 +67,12 @@ def test_three_jobs_in_any_order_equal_one_job(job_config: Path, tmp_path: Path)
         log = run(precompute_cmd(job_config, split, "--num-tasks", "3", "--task-index", str(index)))
         finalized = (split / MANIFEST_FILE).exists()
         assert finalized == (index == 1), log  # the job that completes the last task writes the manifest
+        # The first job tokenises and publishes the rows; the others read them (ingest once).
+        assert ("ingest: tokenised" in log) == (index == 2), log
+        assert ("ingest: reading the tokenised rows" in log) == (index != 2), log
+    # Every file equal, the shared ingest cache (STORE/ingest/<key>/) included.
     assert store_contents(split) == store_contents(single)
+    assert any(path.startswith("ingest/") for path in store_contents(split))
     assert len(store_contents(single)) > 100
 
 

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from mopd.store.fingerprint import checkpoint_fingerprint, vocab_hash
 from mopd.store.layout import plan_tasks, shard_rows
 from mopd.store.manifest import DatasetInfo, HeadTask, Plan, RowsTask, StorageInfo, TeacherInfo, TokenizerInfo
-from mopd.store.tasks import HiddenShardWriter, write_lm_head, write_rows
+from mopd.store.tasks import HiddenShardWriter, pack_rows, write_lm_head, write_rows
 from mopd.store.teachers import alias_to_index, assign_teacher_indices
 from mopd.store.writer import StoreWriter
 
@@ -139,10 +139,13 @@ def build_store(spec: StoreSpec) -> StoreWriter:
             continue
         with writer.task(task.task_id) as out:
             if isinstance(task, RowsTask):
+                input_ids, offsets = pack_rows([tokens_for(i, n) for i, n in enumerate(spec.lengths)])
+                loss_mask, _ = pack_rows([(np.arange(n) % 3 != 0).astype(np.uint8) for n in spec.lengths])
                 write_rows(
                     out,
-                    input_ids=[tokens_for(i, n) for i, n in enumerate(spec.lengths)],
-                    loss_mask=[(np.arange(n) % 3 != 0).astype(np.uint8) for n in spec.lengths],
+                    input_ids=input_ids,
+                    loss_mask=loss_mask,
+                    offsets=offsets,
                     teacher_index=teacher_index,
                     source_keys=[f"row-{i}" for i in range(len(lengths))],
                 )

@@ -1,0 +1,160 @@
+"""Ingest once, stream after: the tokenised rows as an Arrow file that every precompute job shares.
+
+The first job to need the rows tokenises the dataset (`data.tokenize_dataset`: a batched `datasets.map`
+over `data.num_proc` processes, with a progress bar) and publishes them as `STORE/ingest/<key>/`
+(`rows.arrow` and `ingest.json`, written under a temporary name and renamed into place). Every later
+job — each job of a SLURM array, each resume — finds that folder and memory-maps it, so it tokenises
+nothing and holds in memory only the row metadata and the rows its own tasks read.
+
+The key is a hash of everything that decides the rows: the source files' bytes, the tokenizer's files,
+`data.max_length`, `data.overlong` and the routing from agent to teacher index. Equal keys give equal
+rows (the tokenisation is a pure function of them), so two jobs that ingest at once publish the same
+bytes and either's folder serves. The folder is a cache beside the store, not part of it: the manifest
+does not list it, `verify-manifest` does not read it, and deleting it costs one ingest.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from mopd.precompute.data import TokenizedRows, load_records, tokenize_dataset
+from mopd.store.config import DataConfig, RoutingConfig
+from mopd.store.errors import ConfigError
+from mopd.store.fingerprint import TOKENIZER_FILES
+from mopd.store.fsio import fsync_path, is_temporary, sha256_file
+from mopd.store.jsonio import parse_json
+from mopd.store.manifest import canonical_json
+
+INGEST_DIR = "ingest"
+INGEST_VERSION = 1
+ROWS_FILE, META_FILE = "rows.arrow", "ingest.json"
+_BATCH_ROWS = 1 << 16
+_STALE_SECONDS = 3600  # a temporary folder untouched this long belongs to a killed ingest
+
+
+def _files_digest(root: Path, names: list[str] | None = None) -> list[tuple[str, int, str]]:
+    """(relative path, size, sha256) of a file, or of the files of a folder (`names`: only those)."""
+    if root.is_file():
+        return [(root.name, root.stat().st_size, sha256_file(root))]
+    paths = [root / n for n in names] if names is not None else sorted(p for p in root.rglob("*"))
+    return [(p.relative_to(root).as_posix(), p.stat().st_size, sha256_file(p)) for p in paths if p.is_file()]
+
+
+def ingest_key(
+    *,
+    data: DataConfig,
+    routing: RoutingConfig,
+    agent_to_alias: Mapping[str, str],
+    alias_index: Mapping[str, int],
+    tokenizer_path: str,
+) -> tuple[str, dict[str, Any]]:
+    """The cache key and what it hashes: everything that decides the tokenised rows."""
+    source = Path(data.path)
+    inputs = {
+        "version": INGEST_VERSION,
+        "source": _files_digest(source),
+        "tokenizer": _files_digest(Path(tokenizer_path), list(TOKENIZER_FILES)),
+        "max_length": data.max_length,
+        "overlong": data.overlong,
+        "routing_field": routing.field,
+        "teacher_by_agent": {agent: alias_index[alias] for agent, alias in sorted(agent_to_alias.items())},
+        "default_teacher": alias_index[routing.default_teacher] if routing.default_teacher else None,
+    }
+    return hashlib.sha256(canonical_json(inputs)).hexdigest()[:32], inputs
+
+
+def open_ingested(folder: Path) -> TokenizedRows:
+    """The published rows of an ingest folder, memory-mapped."""
+    meta = parse_json((folder / META_FILE).read_bytes(), what=str(folder / META_FILE), error=ConfigError)
+    with pa.memory_map(str(folder / ROWS_FILE)) as source:
+        table = pa.ipc.open_file(source).read_all()
+    return TokenizedRows(table, meta["rows"])
+
+
+def _remove_stale(cache: Path) -> None:
+    for path in cache.iterdir() if cache.is_dir() else ():
+        if is_temporary(path.name) and time.time() - path.stat().st_mtime > _STALE_SECONDS:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def ingest(
+    *,
+    data: DataConfig,
+    routing: RoutingConfig,
+    agent_to_alias: Mapping[str, str],
+    alias_index: Mapping[str, int],
+    tokenizer_path: str,
+    load_tokenizer: Callable[[], Any],
+    cache: Path,
+    num_proc: int | None,
+    show_progress: bool,
+    log: Callable[[str], Any],
+) -> TokenizedRows:
+    """The dataset's tokenised rows: from the cache if a job made them, else tokenised and published.
+
+    Raises:
+        ConfigError: as `tokenize_dataset` (bad data, columns or routing).
+    """
+    key, inputs = ingest_key(
+        data=data,
+        routing=routing,
+        agent_to_alias=agent_to_alias,
+        alias_index=alias_index,
+        tokenizer_path=tokenizer_path,
+    )
+    folder = cache / key
+    if (folder / META_FILE).exists():
+        rows = open_ingested(folder)
+        log(f"ingest: reading the tokenised rows of {data.path} from {folder} ({rows.num_rows:,} rows)")
+        return rows
+    cache.mkdir(parents=True, exist_ok=True)
+    _remove_stale(cache)
+    work = cache / f"{key}.tmp-{uuid.uuid4().hex}"
+    work.mkdir()
+    try:
+        started = time.perf_counter()
+        rows = tokenize_dataset(
+            load_records(data.path),
+            data=data,
+            routing=routing,
+            agent_to_alias=agent_to_alias,
+            alias_index=alias_index,
+            tokenizer=load_tokenizer(),
+            num_proc=num_proc,
+            show_progress=show_progress,
+            cache_file=work / "map.arrow",
+        )
+        # Batches of a fixed row count, whatever chunks `map` made, and no schema metadata (datasets
+        # puts a random fingerprint there): the file's bytes are a function of the rows alone, so every
+        # job that ingests publishes the same file.
+        table = rows.table.replace_schema_metadata(None)
+        with pa.OSFile(str(work / ROWS_FILE), "wb") as sink, pa.ipc.new_file(sink, table.schema) as out:
+            for start in range(0, table.num_rows, _BATCH_ROWS):
+                out.write_batch(table.slice(start, _BATCH_ROWS).combine_chunks().to_batches()[0])
+        (work / META_FILE).write_bytes(canonical_json({"inputs": inputs, "rows": rows.meta}))
+        del rows, table  # the map's files go; the published copy is read back memory-mapped
+        for path in work.glob("map*.arrow"):
+            path.unlink()
+        for path in (work / ROWS_FILE, work / META_FILE, work):
+            fsync_path(path)
+        try:
+            os.rename(work, folder)
+        except OSError as err:  # another job published the same rows first: its folder serves
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        fsync_path(cache)
+        seconds = time.perf_counter() - started
+        log(f"ingest: tokenised {data.path} in {seconds:.1f} s; the rows are cached in {folder}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return open_ingested(folder)
