@@ -71,8 +71,11 @@ def test_each_teacher_loaded_once_and_summary_printed(
     assert "computed 11 tasks, skipped 0 already done" in result.stderr
     assert "manifest written" in result.stderr
     assert "math, reasoning" in result.stderr  # the per-teacher summary table
+    # Ingest shows its progress, then says where the rows went; a later job reads them back.
+    assert "tokenising rows: 100%" in result.stderr and "ingest: tokenised" in result.stderr
     again = CliRunner().invoke(cli, ["precompute", str(mixed_config)])
     assert "computed 0 tasks, skipped 11 already done" in again.stderr
+    assert "ingest: reading the tokenised rows" in again.stderr and "tokenising rows" not in again.stderr
 
 
 def test_non_finite_teacher_is_refused_naming_row(tmp_path: Path, backend: str) -> None:
