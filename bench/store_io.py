@@ -108,8 +108,8 @@ def store_write(
     with writer.task("rows") as out:
         write_rows(
             out,
-            input_ids=np.zeros(int(offsets[-1]), np.int32),
-            loss_mask=np.ones(int(offsets[-1]), np.uint8),
+            input_ids=[np.zeros(int(offsets[-1]), np.int32)],
+            loss_mask=[np.ones(int(offsets[-1]), np.uint8)],
             offsets=offsets,
             teacher_index=teacher_index,
             source_keys=[str(i) for i in range(num_rows)],

@@ -52,9 +52,11 @@ class RaggedColumn:
     def __iter__(self) -> Iterator[np.ndarray]:
         return (self[i] for i in range(len(self)))
 
-    def flat(self) -> np.ndarray:
-        """Every row's values end to end (row i is flat()[offsets[i]:offsets[i + 1]])."""
-        return self._values.to_numpy(zero_copy_only=False).astype(self._dtype)
+    def pieces(self, size: int = 1 << 22) -> Iterator[np.ndarray]:
+        """Every row's values end to end, in pieces of `size` values in their stored dtype (memory stays
+        bounded by one piece; row i is values[offsets[i]:offsets[i + 1]])."""
+        for start in range(0, int(self.offsets[-1]), size):
+            yield self._values.slice(start, size).to_numpy(zero_copy_only=False)
 
 
 class TokenizedRows:

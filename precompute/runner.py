@@ -323,8 +323,8 @@ def run_precompute(
                 with writer.task(task.task_id) as out:
                     write_rows(
                         out,
-                        input_ids=rows.input_ids.flat(),
-                        loss_mask=rows.loss_mask.flat(),
+                        input_ids=rows.input_ids.pieces(),
+                        loss_mask=rows.loss_mask.pieces(),
                         offsets=rows.input_ids.offsets,
                         teacher_index=rows.teacher_index,
                         source_keys=rows.source_keys,

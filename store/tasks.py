@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -35,24 +35,26 @@ def pack_rows(rows: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 def write_rows(
     output: TaskOutput,
     *,
-    input_ids: np.ndarray,
-    loss_mask: np.ndarray,
+    input_ids: Iterable[np.ndarray],
+    loss_mask: Iterable[np.ndarray],
     offsets: np.ndarray,
     teacher_index: np.ndarray,
     source_keys: Sequence[str],
 ) -> None:
-    """Writes every row's tokens, loss mask, teacher index and source key; tokens and masks come packed
-    end to end (row i is `input_ids[offsets[i]:offsets[i + 1]]`, see `pack_rows`).
+    """Writes every row's tokens, loss mask, teacher index and source key. Tokens and masks come packed
+    end to end, in pieces of any size (row i is values[offsets[i]:offsets[i + 1]], see `pack_rows`), and
+    are streamed to the store, so memory stays bounded by a piece and a chunk whatever the row count.
 
     `loss_mask[t] = 1` means the prediction made at position t (of token t+1) is trained.
     """
     offsets = np.asarray(offsets, dtype=np.int64)
     num_rows, num_tokens = offsets.shape[0] - 1, int(offsets[-1])
-    if input_ids.shape != (num_tokens,) or loss_mask.shape != (num_tokens,):
-        raise ValueError("input_ids and loss_mask must hold offsets[-1] values each")
     arrays = rows_arrays(num_rows, num_tokens)
-    output.write(arrays[INPUT_IDS], input_ids.astype(np.int32, copy=False))
-    output.write(arrays[LOSS_MASK], loss_mask.astype(np.uint8, copy=False))
+    for spec, pieces in ((arrays[INPUT_IDS], input_ids), (arrays[LOSS_MASK], loss_mask)):
+        appender = output.appender(spec)
+        for piece in pieces:
+            appender.append(np.asarray(piece).astype(spec.dtype, copy=False))
+        appender.close()  # raises unless exactly num_tokens values came
     output.write(arrays[OFFSETS], offsets)
     output.write(arrays[TEACHER_INDEX], np.asarray(teacher_index, dtype=np.int16))
     output.write_strings(arrays[SOURCE_KEY], [str(key) for key in source_keys])

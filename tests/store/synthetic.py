@@ -143,8 +143,8 @@ def build_store(spec: StoreSpec) -> StoreWriter:
                 loss_mask, _ = pack_rows([(np.arange(n) % 3 != 0).astype(np.uint8) for n in spec.lengths])
                 write_rows(
                     out,
-                    input_ids=input_ids,
-                    loss_mask=loss_mask,
+                    input_ids=[input_ids],
+                    loss_mask=[loss_mask],
                     offsets=offsets,
                     teacher_index=teacher_index,
                     source_keys=[f"row-{i}" for i in range(len(lengths))],
