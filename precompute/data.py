@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -396,7 +397,8 @@ def tokenize_dataset(
     processes = num_proc if worth_it else None
     if show_progress:
         datasets.enable_progress_bars()
-    try:
+    environ = os.environ  # a map over several processes leaves another mapping bound to os.environ;
+    try:  # put the original back, which rich and every module that captured it still read
         mapped = records.map(
             tokenize,
             batched=True,
@@ -411,6 +413,7 @@ def tokenize_dataset(
         )
     finally:
         datasets.disable_progress_bars()
+        os.environ = environ  # noqa: B003 - restoring the same object, not clearing it
     if len(mapped) == 0:
         raise ConfigError(
             f"every row of {data.path} is longer than data.max_length={data.max_length} "
