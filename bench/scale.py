@@ -37,6 +37,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.store_io import drop_page_cache  # noqa: E402
 from mopd.precompute.ingest import INGEST_DIR, ingest  # noqa: E402
 from mopd.precompute.packaged_models import smollm2_checkpoint  # noqa: E402
 from mopd.precompute.teachers import load_tokenizer  # noqa: E402
@@ -91,15 +92,6 @@ def run_measured(args: list[str]) -> tuple[float, float, str]:
         if proc.returncode != 0:
             raise SystemExit(f"mopd {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
         return wall, int(rss_file.read_text()) / 1e9, proc.stderr
-
-
-def drop_page_cache() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def store_files(store: Path) -> list[Path]:
