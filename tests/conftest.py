@@ -8,6 +8,19 @@ from tests.store.synthetic import StoreSpec, build_store, make_checkpoint
 from tests.train.world import World, build_world
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu`-marked tests need a CUDA device: where there is none (CI) they are skipped, the only
+    tests that ever are; bench/gpu.sh runs them on a GPU machine."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run bench/gpu.sh on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def teacher_checkpoints(tmp_path: Path) -> dict[str, Path]:
     """Three checkpoints with one vocabulary and different hidden sizes."""

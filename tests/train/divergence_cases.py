@@ -19,17 +19,17 @@ class Case:
     weights: torch.Tensor
     transforms: dict[int, LogitTransform] = field(default_factory=dict)
 
-    def to(self, dtype: torch.dtype) -> Case:
+    def to(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Case:
         def conv(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().to(dtype).requires_grad_(t.requires_grad)
+            return t.detach().to(device=device, dtype=dtype).requires_grad_(t.requires_grad)
 
         return Case(
             conv(self.student_hidden),
             conv(self.student_head),
-            {k: v.to(dtype) for k, v in self.teacher_hidden.items()},
-            {k: v.to(dtype) for k, v in self.teacher_heads.items()},
+            {k: v.to(device=device, dtype=dtype) for k, v in self.teacher_hidden.items()},
+            {k: v.to(device=device, dtype=dtype) for k, v in self.teacher_heads.items()},
             self.teacher_index,
-            self.weights.to(torch.float64 if dtype == torch.float64 else torch.float32),
+            self.weights.to(device=device, dtype=torch.float64 if dtype == torch.float64 else torch.float32),
             self.transforms,
         )
 

@@ -1,0 +1,108 @@
+"""The kernel on a CUDA device against the fp64 reference on the CPU (bench/gpu.sh runs these).
+
+Marked `gpu`: skipped where no CUDA device is (CI). The error model is the CPU tests': CUDA changes the
+order of the sums, not how many roundings each output carries.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mopd.train.divergence import KINDS, linear_cross_entropy, linear_divergence
+from tests.tolerance import BF16_U, assert_close, sum_rtol
+from tests.train.divergence_cases import Case, make_case
+from tests.train.test_divergence import run_fused, run_reference
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.device("cuda")
+# (tokens, vocabulary, student width, chunk): the CPU tests' small case, and a wide vocabulary over
+# several chunks, where the GPU's reductions split differently.
+SHAPES = [(23, 97, 16, 7), (300, 32000, 256, 128)]
+
+
+def rtol_of(case: Case) -> float:
+    """As tests/train/test_divergence.py: two sides of ≤ (widest hidden + V + N) roundings each."""
+    widest = max([case.student_hidden.shape[1]] + [h.shape[1] for h in case.teacher_hidden.values()])
+    return 2 * sum_rtol(widest + case.student_head.shape[0] + case.student_hidden.shape[0])
+
+
+def on_cuda(case: Case, dtype: torch.dtype = torch.float32) -> Case:
+    return case.to(dtype, device=CUDA)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"N{s[0]}-V{s[1]}")
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp32_on_cuda_matches_fp64_reference(kind: str, shape: tuple[int, int, int, int]) -> None:
+    n, vocab, width, chunk = shape
+    case = make_case(num_tokens=n, vocab=vocab, student_size=width, teachers=3, softcap=True, seed=11)
+    got = run_fused(on_cuda(case), kind=kind, temperature=0.7, chunk=chunk)
+    want = run_reference(case, kind=kind, temperature=0.7)
+    for name, g, w in zip(("loss", "per_token", "grad_hidden", "grad_head"), got, want, strict=True):
+        assert g.device.type == "cuda"
+        assert_close(g, w, rtol=rtol_of(case), norm=True, what=name)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_inputs_on_cuda_carry_only_their_own_error(kind: str) -> None:
+    n, vocab, width, chunk = SHAPES[1]
+    case = make_case(num_tokens=n, vocab=vocab, student_size=width, teachers=3, softcap=True, seed=5)
+    rounded = case.to(torch.bfloat16)
+    got = run_fused(on_cuda(rounded, torch.bfloat16), kind=kind, chunk=chunk)
+    want = run_reference(rounded, kind=kind)  # fp64 from the same bf16 values
+    # bf16 × bf16 products are exact in fp32: values carry fp32 sums only; gradients come back in
+    # bf16, one rounding more (a proven 2⁻⁸ relative).
+    for name, g, w in zip(("loss", "per_token"), got[:2], want[:2], strict=True):
+        assert_close(g, w, rtol=rtol_of(case), norm=True, what=name)
+    for name, g, w in zip(("grad_hidden", "grad_head"), got[2:], want[2:], strict=True):
+        assert g.dtype == torch.bfloat16
+        assert_close(g, w, rtol=BF16_U + rtol_of(case), norm=True, rigorous=True, what=name)
+
+
+def test_hard_label_cross_entropy_on_cuda() -> None:
+    n, vocab, width, chunk = SHAPES[1]
+    case = make_case(num_tokens=n, vocab=vocab, student_size=width, seed=4)
+    labels = torch.randint(0, vocab - 7, (n,), generator=torch.Generator().manual_seed(1))
+    labels[3] = -100
+    hs = case.student_hidden.detach().to(CUDA).requires_grad_()
+    ws = case.student_head.detach().to(CUDA).requires_grad_()
+    out = linear_cross_entropy(
+        hs, ws, labels.to(CUDA), weights=case.weights.to(CUDA), chunk_size=chunk, vocab_size=vocab - 7
+    )
+    out.loss.backward()
+    hs64 = case.student_hidden.detach().double().requires_grad_()
+    ws64 = case.student_head.detach().double().requires_grad_()
+    logits = (hs64 @ ws64.T)[:, : vocab - 7]
+    per_token = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="none")
+    (case.weights.double() * per_token).sum().backward()
+    rtol = 2 * sum_rtol(width + vocab + n)
+    assert_close(out.per_token, per_token, rtol=rtol, norm=True, what="per_token")
+    assert_close(hs.grad, hs64.grad, rtol=rtol, norm=True, what="grad_hidden")
+    assert_close(ws.grad, ws64.grad, rtol=rtol, norm=True, what="grad_head")
+
+
+def test_cuda_and_cpu_agree_on_one_call() -> None:
+    """The same fp32 call on both devices: within the error model of each (twice the bound)."""
+    n, vocab, width, chunk = SHAPES[1]
+    case = make_case(num_tokens=n, vocab=vocab, student_size=width, teachers=3, seed=8)
+    cpu = linear_divergence(
+        case.student_hidden.detach(),
+        case.student_head.detach(),
+        case.teacher_hidden,
+        case.teacher_heads,
+        case.teacher_index,
+        chunk_size=chunk,
+        weights=case.weights,
+    )
+    gpu = on_cuda(case)
+    cuda = linear_divergence(
+        gpu.student_hidden.detach(),
+        gpu.student_head.detach(),
+        gpu.teacher_hidden,
+        gpu.teacher_heads,
+        gpu.teacher_index,
+        chunk_size=chunk,
+        weights=gpu.weights,
+    )
+    assert_close(cuda.per_token, cpu.per_token, rtol=2 * rtol_of(case), norm=True, what="per_token")
