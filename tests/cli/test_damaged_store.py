@@ -99,14 +99,13 @@ def test_train_stops_at_a_damaged_chunk(
     assert any(f"{path}/c/" in line for line in verify.stdout.splitlines()), verify.stdout
 
 
-def test_a_format_1_store_reads_verifies_and_names_a_missing_chunk(tmp_path: Path) -> None:
-    """The committed format-1 fixture still opens, reads and verifies; its reads say what format 1 leaves
-    unchecked; a deleted chunk is found from its part record before zarr could fill it with zeros."""
-    fixture = Path(__file__).parents[1] / "fixtures" / "store-v1.zarr"
-    store = Path(shutil.copytree(fixture, tmp_path / "v1.zarr"))
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+
+
+def assert_fixture_reads_and_verifies(store: Path, version: int) -> None:
+    """A committed store of an earlier format opens, holds exactly the synthetic values and verifies."""
     opened = open_store(store)
-    assert opened.manifest.format_version == 1 and opened.manifest.storage.checksum is None
-    assert opened.format_note is not None and "no per-chunk checksums" in opened.format_note
+    assert opened.manifest.format_version == version
     for i in range(opened.num_rows):
         row = opened.row(i)
         assert torch.equal(row.input_ids, torch.from_numpy(tokens_for(i, len(row.input_ids))))
@@ -120,6 +119,28 @@ def test_a_format_1_store_reads_verifies_and_names_a_missing_chunk(tmp_path: Pat
             head_for(teacher.index, VOCAB_SIZE, teacher.hidden_size, torch.bfloat16),
         )
     assert CliRunner().invoke(cli, ["verify-manifest", str(store), "--full"]).exit_code == 0
+
+
+def test_a_format_2_store_reads_verifies_and_refuses_a_flipped_bit(tmp_path: Path) -> None:
+    """The committed format-2 fixture (chunk files, per-chunk crc32c) still opens, reads and verifies;
+    a flipped bit in one of its chunk files is refused by its checksum."""
+    store = Path(shutil.copytree(FIXTURES / "store-v2.zarr", tmp_path / "v2.zarr"))
+    assert_fixture_reads_and_verifies(store, 2)
+    assert open_store(store).format_note is None
+    chunk = store / "teachers" / "1" / "shards" / "shard_000000" / HIDDEN / "c" / "0" / "0"
+    damage(chunk, "flip")
+    with pytest.raises(StoreIntegrityError, match=r"shard_000000/hidden: chunk 0 .* fails its crc32c"):
+        open_store(store).hidden(1)
+
+
+def test_a_format_1_store_reads_verifies_and_names_a_missing_chunk(tmp_path: Path) -> None:
+    """The committed format-1 fixture still opens, reads and verifies; its reads say what format 1 leaves
+    unchecked; a deleted chunk is found from its part record before zarr could fill it with zeros."""
+    store = Path(shutil.copytree(FIXTURES / "store-v1.zarr", tmp_path / "v1.zarr"))
+    opened = open_store(store)
+    assert opened.manifest.storage.checksum is None
+    assert opened.format_note is not None and "no per-chunk checksums" in opened.format_note
+    assert_fixture_reads_and_verifies(store, 1)
     (store / "teachers" / "0" / "lm_head" / "c" / "3" / "0").unlink()
     with pytest.raises(StoreIntegrityError, match=r"teachers/0/lm_head/c/3/0: missing"):
         open_store(store).lm_head(0)
