@@ -10,8 +10,11 @@ bf16 store. Measured, each against its baseline in the same run:
 - files in the store; `verify-manifest` (records and shapes) and `--full` (every byte hashed) seconds,
   `--full` in GB/s against one thread reading the same files sequentially (page cache dropped first);
 - reads: 2,000 random rows one at a time (`row(i)`, `hidden(i)`), each from a cold chunk cache — how the
-  loader read before it read by range — against the loader's batched reads of training steps
-  (`read_microbatches`) over as many rows: rows/s and MB/s of hidden states;
+  loader read before it read by range — on a copy of the store in format 2's layout (one file per
+  8 MiB chunk: today's reads) and on the store itself, against the loader's batched reads of training
+  steps (`read_microbatches`) over as many rows: rows/s and MB/s of hidden states;
+- the inner chunk size (`chunk_choice`) and `verify-manifest` of a store of 10k shards
+  (`metadata_verify`);
 - training: `mopd train` of a tiny student (hidden 64) for 4 steps; the data-wait share of steps 2..4.
 
     python bench/scale.py [--rows 10000 100000] [--tokens 100] [--out bench/results/scale.json]
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,11 +112,47 @@ def raw_read_seconds(files: list[Path]) -> float:
     return time.perf_counter() - start
 
 
-def read_rates(store_path: Path, rows: int, micro_batch_tokens: int) -> dict[str, float]:
+def format2_copy(store: Path, dest: Path) -> Path:
+    """The store with every sharded array rewritten as format 2 laid it out: plain chunks of 8 MiB, one
+    file each, blosc + crc32c (mopd's reader takes either layout from each array's zarr.json). The
+    baseline of "today's per-row reads": the same rows, in the layout they had before this change."""
+    import zarr
+    from zarr.codecs import BloscCodec, Crc32cCodec
+
+    from mopd.store.chunks import ArrayReader
+
+    shutil.copytree(store, dest, ignore=shutil.ignore_patterns(INGEST_DIR))
+    for meta in sorted(dest.rglob("zarr.json")):
+        attrs = json.loads(meta.read_text())
+        if attrs.get("node_type") != "array" or attrs["codecs"][0]["name"] != "sharding_indexed":
+            continue
+        data = ArrayReader(meta.parent, label=str(meta.parent)).read()
+        shutil.rmtree(meta.parent)
+        row_bytes = data[:1].nbytes or 1
+        zarr.create_array(
+            zarr.storage.LocalStore(meta.parent),
+            shape=data.shape,
+            chunks=(max(1, min(data.shape[0], (8 << 20) // row_bytes)), *data.shape[1:]),
+            dtype=data.dtype,
+            compressors=[
+                BloscCodec(
+                    cname="zstd", clevel=1, shuffle="shuffle", typesize=data.itemsize, blocksize=1 << 20
+                ),
+                Crc32cCodec(),
+            ],
+            fill_value=0,
+            attributes=attrs.get("attributes", {}),
+            zarr_format=3,
+            config={"write_empty_chunks": True},
+        )[:] = data
+    return dest
+
+
+def per_row_seconds(store_path: Path, sample: np.ndarray) -> tuple[float, int]:
+    """Rows one at a time (`row(i)`, `hidden(i)`), each from a cold chunk cache: how the loader read
+    before it read by range. Returns (seconds, hidden-state bytes)."""
     store = open_store(store_path)
     store.rows([0]), store.hiddens([0])  # row metadata, read once by either reader
-    rng = np.random.default_rng(0)
-    sample = rng.choice(store.num_rows, size=min(rows, store.num_rows), replace=False)
     hidden_bytes = 0
     drop_page_cache()
     start = time.perf_counter()
@@ -120,7 +160,16 @@ def read_rates(store_path: Path, rows: int, micro_batch_tokens: int) -> dict[str
         clear_cache()
         store.row(i)
         hidden_bytes += store.hidden(i).numel() * 2
-    per_row_s = time.perf_counter() - start
+    return time.perf_counter() - start, hidden_bytes
+
+
+def read_rates(store_path: Path, old_layout: Path, rows: int, micro_batch_tokens: int) -> dict[str, float]:
+    store = open_store(store_path)
+    store.rows([0]), store.hiddens([0])
+    rng = np.random.default_rng(0)
+    sample = rng.choice(store.num_rows, size=min(rows, store.num_rows), replace=False)
+    old_s, hidden_bytes = per_row_seconds(old_layout, sample)
+    per_row_s, _ = per_row_seconds(store_path, sample)
     steps = epoch_steps(store.lengths, seed=0, epoch=0, global_batch_tokens=16 * micro_batch_tokens)
     drop_page_cache()
     clear_cache()
@@ -135,13 +184,89 @@ def read_rates(store_path: Path, rows: int, micro_batch_tokens: int) -> dict[str
         if read_rows >= sample.shape[0]:
             break
     step_s = time.perf_counter() - start
+    step_rate = read_rows / step_s
     return {
+        "per_row_format2_rows_s": sample.shape[0] / old_s,
+        "per_row_format2_mb_s": hidden_bytes / old_s / 1e6,
         "per_row_rows_s": sample.shape[0] / per_row_s,
         "per_row_mb_s": hidden_bytes / per_row_s / 1e6,
-        "step_rows_s": read_rows / step_s,
+        "step_rows_s": step_rate,
         "step_mb_s": read_bytes / step_s / 1e6,
-        "step_vs_per_row": (read_rows / step_s) / (sample.shape[0] / per_row_s),
+        "step_vs_per_row_format2": step_rate / (sample.shape[0] / old_s),
+        "step_vs_per_row": step_rate / (sample.shape[0] / per_row_s),
     }
+
+
+def chunk_choice(
+    work: Path, hidden_sizes: list[int], chunk_kib: list[int], rows: int = 20_000, step_rows: int = 650
+) -> list[dict[str, Any]]:
+    """The inner chunk size, measured: a hidden-state array of `rows` rows of ~100 tokens (N(0, 1)
+    times a per-channel scale, in bf16, as `store_io.payload`) written at each inner chunk size; its
+    size on disk, a sequential read, and random steps of `step_rows` rows read as the loader reads
+    them (one `gather` per step, cold chunk cache, page cache warm: the decoding is what differs)."""
+    from bench.store_io import payload
+    from mopd.store.arrays import write_array
+    from mopd.store.chunks import ArrayReader
+
+    rng = np.random.default_rng(0)
+    lengths = np.maximum(1, rng.normal(100, 10, size=rows).astype(np.int64))
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    out = []
+    for hidden in hidden_sizes:
+        data = payload(int(offsets[-1]), hidden).view(torch.int16).numpy().view(np.uint16)
+        for kib in chunk_kib:
+            path = work / f"chunks-{hidden}-{kib}"
+            write_array(path, data, logical_dtype="bfloat16", chunk_bytes=kib << 10, codec="shuffle-zstd1")
+            on_disk = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+            reader = ArrayReader(path, label="bench")
+            clear_cache()
+            start = time.perf_counter()
+            reader.read()
+            sequential = time.perf_counter() - start
+            picks = [rng.choice(rows, size=step_rows, replace=False) for _ in range(8)]
+            start = time.perf_counter()
+            for pick in picks:
+                clear_cache()
+                reader.gather(offsets[pick], offsets[pick + 1])
+            step_s = (time.perf_counter() - start) / len(picks)
+            out.append(
+                {
+                    "hidden": hidden,
+                    "inner_chunk_kib": kib,
+                    "compression": data.nbytes / on_disk,
+                    "sequential_gb_s": data.nbytes / sequential / 1e9,
+                    "random_step_rows_s": step_rows / step_s,
+                }
+            )
+            print(json.dumps(out[-1]), flush=True)
+            shutil.rmtree(path)
+    return out
+
+
+def metadata_verify(work: Path, shards: int) -> dict[str, float]:
+    """`verify-manifest` (quick mode) of a synthetic store of `shards` hidden-state shards (one row of
+    4 tokens each), against the same command on a store of 10 shards: the process's start is the same
+    in both, the difference is the per-shard work."""
+    from tests.store.synthetic import StoreSpec, build_store, make_checkpoint
+
+    checkpoint = str(make_checkpoint(work / "tiny-teacher", hidden_size=8, seed=0))
+    walls = {}
+    for count in (10, shards):
+        spec = StoreSpec(
+            root=str(work / f"shards-{count}.zarr"),
+            teachers={"a": checkpoint},
+            hidden_sizes={checkpoint: 8},
+            agents=["a"] * count,
+            lengths=[4] * count,
+            rows_per_task=1,
+        )
+        start = time.perf_counter()
+        build_store(spec)
+        print(f"built a store of {count} shards in {time.perf_counter() - start:.0f} s", flush=True)
+        drop_page_cache()
+        walls[count] = run_measured(["verify-manifest", spec.root])[0]
+        shutil.rmtree(spec.root)
+    return {"shards": shards, "verify_s": walls[shards], "verify_10_shards_s": walls[10]}
 
 
 def one_size(work: Path, rows: int, tokens: int, teacher: Path, student: Path) -> dict[str, Any]:
@@ -197,7 +322,9 @@ def one_size(work: Path, rows: int, tokens: int, teacher: Path, student: Path) -
     drop_page_cache()
     full_wall, _, _ = run_measured(["verify-manifest", str(store), "--full"])
     raw_s = raw_read_seconds(files)
-    reads = read_rates(store, 2000, 4096)
+    old_layout = format2_copy(store, root / "format2.zarr")
+    reads = read_rates(store, old_layout, 2000, 4096)
+    shutil.rmtree(old_layout)
     train_wall, _, _ = run_measured(["train", str(config)])
     steps = [r for r in read_metrics(root / "run" / METRICS_FILE) if r.get("split", "train") == "train"]
     later = steps[1:]  # step 1 waits for the loader's first read by construction
@@ -232,12 +359,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 100_000])
     parser.add_argument("--tokens", type=int, default=100)
+    parser.add_argument("--hidden", type=int, default=64, help="the teacher's hidden size")
+    parser.add_argument(
+        "--chunk-kib",
+        type=int,
+        nargs="*",
+        default=[64, 128, 256, 512, 1024, 8192],
+        help="inner chunk sizes to compare (nothing: skip the comparison)",
+    )
+    parser.add_argument("--verify-shards", type=int, default=10_000, help="0: skip that measurement")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale.json")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="mopd-scale-"))
     try:
         tokenizer = load_tokenizer(str(smollm2_checkpoint()))
-        teacher = save_teacher(work / "teacher", "llama", hidden_size=64, seed=1, tokenizer=tokenizer)
+        choice = chunk_choice(work, [64, 576], args.chunk_kib) if args.chunk_kib else []
+        metadata = metadata_verify(work, args.verify_shards) if args.verify_shards else {}
+        teacher = save_teacher(
+            work / "teacher", "llama", hidden_size=args.hidden, seed=1, tokenizer=tokenizer
+        )
         student = save_teacher(work / "student", "llama", hidden_size=64, seed=2, tokenizer=tokenizer)
         results = []
         for rows in args.rows:
@@ -247,7 +387,17 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
-        json.dumps({"machine": platform.node(), "cpus": os.cpu_count(), "sizes": results}, indent=1)
+        json.dumps(
+            {
+                "machine": platform.node(),
+                "cpus": os.cpu_count(),
+                "teacher_hidden": args.hidden,
+                "chunk_choice": choice,
+                "metadata_verify": metadata,
+                "sizes": results,
+            },
+            indent=1,
+        )
     )
     keys = [k for k in results[0] if k != "rows"]
     print(f"{'':34}" + "".join(f"{r['rows']:>14,}" for r in results))

@@ -45,7 +45,8 @@ from mopd.store.transform import LogitTransform
 from mopd.store.version import __version__
 from mopd.store.writer import StoreWriter
 
-CHUNK_BYTES = 8 << 20
+# The inner chunk: the unit a read decodes (bench/README.md, "scale.py", measures the choice).
+CHUNK_BYTES = 256 << 10
 _STORAGE_TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 

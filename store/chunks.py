@@ -1,14 +1,15 @@
-"""Verified reads of the store's arrays, chunk by chunk: mopd reads, checks and decodes each chunk file
-itself.
+"""Verified reads of the store's arrays, chunk by chunk: mopd reads, checks and decodes each chunk itself.
 
 Every array mopd writes is a zarr v3 array of one shape: a regular grid along the first axis, the
-default chunk key encoding (`c/<i>/0/…`), and the codec chain bytes (little endian) → blosc (optional)
-→ crc32c (format 2). Reading those files directly instead of through a general zarr library pays off
-twice. The crc32c runs on the CPU's own instruction (google-crc32c, ~25 GB/s here); tensorstore's
-portable wheel computes it in software, which cost 20–30% of the read time (`bench/store_io.py`). And a
-decoded chunk is kept in a small LRU cache, so the rows inside one chunk decode it once, not once each.
+default chunk key encoding (`c/<i>/0/…`), and chunks encoded bytes (little endian) → blosc (optional)
+→ crc32c. Format 3 puts them as inner chunks into one shard file per array (`sharding_indexed`, index
+at the end, itself bytes → crc32c); formats 1 and 2 wrote one file per chunk. Reading the files directly
+instead of through a general zarr library pays off twice. The crc32c runs on the CPU's own instruction
+(google-crc32c, ~25 GB/s here); tensorstore's portable wheel computes it in software, which cost 20–30%
+of the read time (`bench/store_io.py`). And a decoded chunk is kept in a small LRU cache, so the rows
+inside one chunk decode it once, not once each.
 
-A chunk that is missing, of the wrong size, fails its checksum or does not decode is a
+A chunk or shard index that is missing, of the wrong size, fails its checksum or does not decode is a
 `StoreIntegrityError` naming the array, the chunk and the file: nothing is ever filled in, except the
 all-zero chunks that format 1 did not write (`fill_missing`).
 """
@@ -40,17 +41,47 @@ _CODEC_CHAINS = {
     ("bytes", "blosc", "crc32c"): (True, True),
 }
 CACHE_BYTES = 256 << 20  # decoded chunks kept for reuse, over all arrays of the process
+INDEX_CACHE_BYTES = 64 << 20  # shard indexes kept: ~4M inner chunks, a store of ~1 TB at 256 KiB
+
+
+_INDEX_CODECS = (("bytes", "little"), ("crc32c", None))
+_NO_CHUNK = 2**64 - 1  # a shard index entry for a chunk that was never written
 
 
 @dataclass(frozen=True)
 class _Layout:
     shape: tuple[int, ...]
-    chunk_shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]  # the unit of decoding: the inner chunk of a sharded array
     dtype: np.dtype
     blosc: bool
     checksum: bool
     fill_value: Any
     logical_dtype: str
+    chunks_per_shard: int | None  # None: one file per chunk (formats 1 and 2)
+
+
+def chunk_file(path: Path, index: int, ndim: int) -> Path:
+    """The file of chunk (or shard) `index` along axis 0 under the default key encoding."""
+    return path.joinpath("c", str(index), *("0" for _ in range(ndim - 1)))
+
+
+def _codec_chain(codecs: list[dict[str, Any]]) -> tuple[tuple[str, ...], str]:
+    chain = tuple(c["name"] for c in codecs)
+    endian = next(c.get("configuration", {}).get("endian", "little") for c in codecs if c["name"] == "bytes")
+    return chain, endian
+
+
+def array_header(path: Path, label: str) -> tuple[tuple[int, ...], str]:
+    """(shape, zarr data type) from an array's zarr.json: what `verify-manifest` checks of every array,
+    read without opening the array (a store of 10k shards holds 30k of them)."""
+    try:
+        data = (path / "zarr.json").read_bytes()
+        meta = parse_json(data, what=f"{label}/zarr.json", error=StoreIntegrityError)
+        return tuple(int(n) for n in meta["shape"]), str(meta["data_type"])
+    except OSError as err:
+        raise StoreIntegrityError(f"{label}: the array's zarr.json cannot be read ({err.strerror})") from err
+    except (KeyError, TypeError, ValueError) as err:
+        raise StoreIntegrityError(f"{label}/zarr.json: not an array ({err!r})") from err
 
 
 def _layout(path: Path, label: str) -> _Layout:
@@ -65,10 +96,25 @@ def _layout(path: Path, label: str) -> _Layout:
         grid = meta["chunk_grid"]
         keys = meta.get("chunk_key_encoding", {"name": "default"})
         codecs = meta["codecs"]
-        chain = tuple(c["name"] for c in codecs)
-        endian = next(
-            c.get("configuration", {}).get("endian", "little") for c in codecs if c["name"] == "bytes"
-        )
+        outer_shape = tuple(int(n) for n in grid["configuration"]["chunk_shape"])
+        chunks_per_shard = None
+        if len(codecs) == 1 and codecs[0]["name"] == "sharding_indexed":
+            sharding = codecs[0]["configuration"]
+            chunk_shape = tuple(int(n) for n in sharding["chunk_shape"])
+            index_chain = tuple(
+                (c["name"], c.get("configuration", {}).get("endian")) for c in sharding["index_codecs"]
+            )
+            sharded_as_written = (
+                index_chain == _INDEX_CODECS
+                and sharding.get("index_location", "end") == "end"
+                and outer_shape[1:] == chunk_shape[1:]
+                and outer_shape[0] % chunk_shape[0] == 0
+            )
+            chunks_per_shard = outer_shape[0] // chunk_shape[0] if sharded_as_written else 0
+            codecs = sharding["codecs"]
+        else:
+            chunk_shape = outer_shape
+        chain, endian = _codec_chain(codecs)
         dtype = np.dtype(meta["data_type"]).newbyteorder("<")
         usable = (
             grid["name"] == "regular"
@@ -76,12 +122,12 @@ def _layout(path: Path, label: str) -> _Layout:
             and keys.get("configuration", {}).get("separator", "/") == "/"
             and chain in _CODEC_CHAINS
             and endian == "little"
+            and chunks_per_shard != 0
         )
-        chunk_shape = tuple(int(n) for n in grid["configuration"]["chunk_shape"])
         attrs = meta.get("attributes", {})
-    except (KeyError, TypeError, ValueError, StopIteration) as err:
+    except (KeyError, TypeError, ValueError, StopIteration, ZeroDivisionError) as err:
         raise StoreIntegrityError(f"{label}/zarr.json: not an array mopd wrote ({err!r})") from err
-    if not usable or chunk_shape[1:] != shape[1:]:  # chunks of whole rows
+    if not usable or chunk_shape[1:] != shape[1:] or chunk_shape[0] <= 0:  # chunks of whole rows
         raise StoreIntegrityError(f"{label}/zarr.json: a chunk layout or codec chain mopd does not write")
     compressed, checksum = _CODEC_CHAINS[chain]
     return _Layout(
@@ -92,19 +138,20 @@ def _layout(path: Path, label: str) -> _Layout:
         checksum=checksum,
         fill_value=meta.get("fill_value", 0),
         logical_dtype=str(attrs.get("logical_dtype", dtype.name)),
+        chunks_per_shard=chunks_per_shard,
     )
 
 
-class _DecodedChunks:
-    """A byte-bounded LRU of decoded chunks shared by every reader of the process (thread-safe)."""
+class _BoundedCache:
+    """A byte-bounded LRU of decoded arrays (chunks, shard indexes) shared by the process (thread-safe)."""
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._held = 0
-        self._chunks: OrderedDict[tuple[str, int, int, int, int], np.ndarray] = OrderedDict()
+        self._chunks: OrderedDict[tuple[Any, ...], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: tuple[str, int, int, int, int]) -> np.ndarray | None:
+    def get(self, key: tuple[Any, ...]) -> np.ndarray | None:
         with self._lock:
             chunk = self._chunks.get(key)
             if chunk is not None:
@@ -116,7 +163,7 @@ class _DecodedChunks:
             self._chunks.clear()
             self._held = 0
 
-    def put(self, key: tuple[str, int, int, int, int], chunk: np.ndarray) -> None:
+    def put(self, key: tuple[Any, ...], chunk: np.ndarray) -> None:
         if chunk.nbytes > self._limit:
             return
         with self._lock:
@@ -129,13 +176,16 @@ class _DecodedChunks:
                 self._held -= dropped.nbytes
 
 
-_CACHE = _DecodedChunks(CACHE_BYTES)
+_CACHE = _BoundedCache(CACHE_BYTES)
+# Shard indexes (16 bytes per inner chunk), keyed by the shard file's identity like the chunks.
+_INDEXES = _BoundedCache(INDEX_CACHE_BYTES)
 _POOL: ThreadPoolExecutor | None = None
 
 
 def clear_cache() -> None:
     """Drops every decoded chunk the process keeps (their memory, or a fresh count of chunk reads)."""
     _CACHE.clear()
+    _INDEXES.clear()
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -164,20 +214,9 @@ class ArrayReader:
         self.logical_dtype = self._layout.logical_dtype
         self._chunk_rows = self._layout.chunk_shape[0]
 
-    def _chunk_file(self, index: int) -> Path:
-        return self.path.joinpath("c", str(index), *("0" for _ in self.shape[1:]))
-
-    def _decode(self, index: int) -> np.ndarray:
-        layout, file = self._layout, self._chunk_file(index)
-        where = f"{self.label}: chunk {index} ({file})"
-        try:
-            data = file.read_bytes()
-        except FileNotFoundError:
-            if self._fill_missing:
-                return np.full(layout.chunk_shape, layout.fill_value, dtype=layout.dtype)
-            raise StoreIntegrityError(f"{where} is missing") from None
-        except OSError as err:
-            raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
+    def _decode(self, index: int, data: bytes, where: str) -> np.ndarray:
+        """Chunk `index` from its stored bytes, checksum first."""
+        layout = self._layout
         if layout.checksum:
             if len(data) < 4 or google_crc32c.value(data) != _CRC32C_RESIDUE:
                 raise StoreIntegrityError(f"{where} fails its crc32c checksum (changed or truncated)")
@@ -197,18 +236,88 @@ class ArrayReader:
         return chunk
 
     def _chunk(self, index: int) -> np.ndarray:
-        # The file's identity is part of the key: a chunk deleted, replaced or changed since it was
-        # decoded is read again (and refused), never served from memory.
+        # The file's identity is part of every key: a chunk or shard deleted, replaced or changed since
+        # it was decoded is read again (and refused), never served from memory.
+        if self._layout.chunks_per_shard is not None:
+            return self._inner_chunk(index)
+        file = chunk_file(self.path, index, len(self.shape))
+        where = f"{self.label}: chunk {index} ({file})"
         try:
-            stat = self._chunk_file(index).stat()
-        except OSError:
-            return self._decode(index)  # missing: refused, or filled in for format 1
-        key = (str(self.path), index, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+            stat = file.stat()
+        except FileNotFoundError:
+            if self._fill_missing:
+                return np.full(self._layout.chunk_shape, self._layout.fill_value, dtype=self._layout.dtype)
+            raise StoreIntegrityError(f"{where} is missing") from None
+        except OSError as err:
+            raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
+        key = (str(file), index, stat.st_ino, stat.st_size, stat.st_mtime_ns)
         chunk = _CACHE.get(key)
         if chunk is None:
-            chunk = self._decode(index)
+            try:
+                data = file.read_bytes()
+            except OSError as err:
+                raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
+            chunk = self._decode(index, data, where)
             _CACHE.put(key, chunk)
         return chunk
+
+    def _inner_chunk(self, index: int) -> np.ndarray:
+        per_shard = self._layout.chunks_per_shard
+        assert per_shard is not None
+        shard, inner = divmod(index, per_shard)
+        file, identity, entries = self._shard_index(shard)
+        key = (str(file), index, *identity)
+        chunk = _CACHE.get(key)
+        if chunk is not None:
+            return chunk
+        offset, nbytes = (int(n) for n in entries[inner])
+        where = f"{self.label}: chunk {index} ({file}, inner chunk {inner})"
+        if offset == _NO_CHUNK:
+            raise StoreIntegrityError(f"{where} is missing: the shard index lists no such chunk")
+        try:
+            with file.open("rb") as f:
+                data = os.pread(f.fileno(), nbytes, offset)
+        except OSError as err:
+            raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
+        chunk = self._decode(index, data, where)
+        _CACHE.put(key, chunk)
+        return chunk
+
+    def _shard_index(self, shard: int) -> tuple[Path, tuple[int, int, int], np.ndarray]:
+        """A shard file, its identity and its verified index ([chunks, 2]: offset, size), read once."""
+        file = chunk_file(self.path, shard, len(self.shape))
+        where = f"{self.label}: shard {shard} ({file})"
+        try:
+            stat = file.stat()
+        except FileNotFoundError:
+            raise StoreIntegrityError(f"{where} is missing") from None
+        except OSError as err:
+            raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
+        identity = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        key = (str(file), *identity)
+        entries = _INDEXES.get(key)
+        if entries is None:
+            per_shard = self._layout.chunks_per_shard
+            assert per_shard is not None
+            index_bytes = 16 * per_shard + 4
+            if stat.st_size < index_bytes:
+                raise StoreIntegrityError(f"{where} is truncated: shorter than its shard index")
+            try:
+                with file.open("rb") as f:
+                    raw = os.pread(f.fileno(), index_bytes, stat.st_size - index_bytes)
+            except OSError as err:
+                raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
+            if google_crc32c.value(raw) != _CRC32C_RESIDUE:
+                raise StoreIntegrityError(
+                    f"{where}: its shard index fails its crc32c checksum (changed or truncated)"
+                )
+            entries = np.frombuffer(raw[:-4], dtype="<u8").reshape(per_shard, 2)
+            written = entries[:, 0] != _NO_CHUNK
+            ends = entries[written, 0] + entries[written, 1]
+            if ends.size and int(ends.max()) > stat.st_size - index_bytes:
+                raise StoreIntegrityError(f"{where}: its index points past the chunk data (truncated)")
+            _INDEXES.put(key, entries)
+        return file, identity, entries
 
     def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows [start, stop) in their on-disk representation (reads only the chunks they overlap).

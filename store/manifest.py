@@ -1,4 +1,4 @@
-"""Schemas of the store's JSON records: the plan, task part records and the manifest (format version 2).
+"""Schemas of the store's JSON records: the plan, task part records and the manifest (format version 3).
 
 - `_plan.json`: written once when a store is created; every later job must plan the same store.
 - `_parts/<task_id>.json`: created no-clobber by a task after its output folder is durable.
@@ -10,8 +10,10 @@ computed the same bytes (time, host) live under `volatile` and are excluded from
 A task comes in three kinds, each its own type (`RowsTask`, `HeadTask`, `ShardTask`): a head and a
 shard always know their teacher, so nothing downstream guesses one. Version 2 adds per-chunk crc32c
 checksums to every array and writes every chunk, so a read can tell a missing chunk from a zero one;
-a fingerprint covers every byte of a teacher that decides its outputs. Version 1 records are upgraded
-on reading (`format_version` keeps saying 1, so readers know which guarantees hold).
+a fingerprint covers every byte of a teacher that decides its outputs. Version 3 keeps the records of
+version 2 and changes only the arrays' layout (one shard file per array of small inner chunks,
+`arrays.py`): `storage.chunk_bytes` is then the inner chunk's size. Version 1 records are upgraded on
+reading (`format_version` keeps saying 1, so readers know which guarantees hold).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from mopd.store.errors import ManifestError
 from mopd.store.jsonio import MAX_RECORD_BYTES, describe_location, parse_json
 
 FORMAT = "mopd-teacher-store"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 KNOWN_FEATURES: frozenset[str] = frozenset()
 
 MANIFEST_FILE = "manifest.json"

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from mopd.store.arrays import ChunkAppender, to_storage, torch_logical_dtype
+from mopd.store.arrays import ArrayAppender, to_storage, torch_logical_dtype
 from mopd.store.layout import (
     HIDDEN,
     INPUT_IDS,
@@ -100,7 +100,7 @@ class HiddenShardWriter:
         self._next = 0
         total = int(self._lengths.sum())
         self._arrays = shard_arrays(int(self._row_ids.shape[0]), total, hidden_size, dtype)
-        self._hidden: ChunkAppender = output.appender(self._arrays[HIDDEN])
+        self._hidden: ArrayAppender = output.appender(self._arrays[HIDDEN])
         output.num_rows = int(self._row_ids.shape[0])
         output.num_tokens = total
 

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mopd.store.arrays import open_array, storage_dtype
+from mopd.store.arrays import storage_dtype
+from mopd.store.chunks import array_header
 from mopd.store.completion import check_complete
 from mopd.store.config import MopdConfig
 from mopd.store.errors import ConfigError, MopdError
@@ -94,14 +95,14 @@ def _check_shapes(root: Path, manifest: Manifest) -> list[str]:
             if not (path / "zarr.json").exists():
                 continue  # reported as a missing file or folder already
             try:
-                found = open_array(path)
-            except Exception as err:
+                shape, dtype = array_header(path, where)
+            except MopdError as err:
                 problems.append(f"{where}: unreadable array metadata ({err})")
                 continue
-            if tuple(found.shape) != array.shape:
-                problems.append(f"{where}: shape {tuple(found.shape)}, recorded {array.shape}")
-            elif array.dtype != "string" and found.dtype != storage_dtype(array.dtype):
-                problems.append(f"{where}: dtype {found.dtype}, the layout says {array.dtype}")
+            if shape != array.shape:
+                problems.append(f"{where}: shape {shape}, recorded {array.shape}")
+            elif array.dtype != "string" and dtype != storage_dtype(array.dtype).name:
+                problems.append(f"{where}: dtype {dtype}, the layout says {array.dtype}")
     return problems
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from mopd.store import faults
-from mopd.store.arrays import ChunkAppender, create_array, write_array, write_strings
+from mopd.store.arrays import ArrayAppender, create_array, write_array, write_strings
 from mopd.store.errors import ManifestError, StoreIntegrityError
 from mopd.store.finalize import build_manifest, publish_manifest
 from mopd.store.fsio import (
@@ -62,16 +62,15 @@ class TaskOutput:
         self._chunk_bytes = storage.chunk_bytes
         self._codec = storage.codec
         self._checksum = storage.checksum is not None
-        self._appenders: list[ChunkAppender] = []
+        self._appenders: list[ArrayAppender] = []
 
     def _array_path(self, array: ArraySpec) -> Path:
         return self.folder / array.name if array.name else self.folder
 
-    def appender(self, array: ArraySpec, *, attributes: dict[str, Any] | None = None) -> ChunkAppender:
+    def appender(self, array: ArraySpec, *, attributes: dict[str, Any] | None = None) -> ArrayAppender:
         """Creates `array` and returns its streaming writer."""
-        path = self._array_path(array)
-        create_array(
-            path,
+        appender = create_array(
+            self._array_path(array),
             shape=array.shape,
             dtype=array.dtype,
             chunk_bytes=self._chunk_bytes,
@@ -79,7 +78,6 @@ class TaskOutput:
             checksum=self._checksum,
             attributes=attributes,
         )
-        appender = ChunkAppender(path, total_rows=array.shape[0])
         self._appenders.append(appender)
         return appender
 
@@ -244,7 +242,10 @@ class StoreWriter:
 def _describe_plan_mismatch(root: Path, existing: Plan, new: Plan) -> str:
     differences = []
     if existing.format_version != new.format_version:
-        differences.append(f"store format version {existing.format_version} vs {new.format_version}")
+        differences.append(
+            f"store format version {existing.format_version} vs {new.format_version} of this mopd: finish "
+            "that store with the mopd that started it"
+        )
     if existing.dataset != new.dataset:
         differences.append(
             f"dataset {existing.dataset.source} ({existing.dataset.num_rows} rows) vs "

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mopd.store import open_store
+from mopd.store import StoreIntegrityError, open_store
 from mopd.store.chunks import ArrayReader, clear_cache
 from tests.store.synthetic import VOCAB_SIZE, StoreSpec, build_store, head_for, hidden_for, tokens_for
 from tests.tolerance import assert_close
@@ -98,18 +98,33 @@ def test_lm_head_slice_reads_only_overlapping_chunks(
     full = head_for(math.index, VOCAB_SIZE, math.hidden_size, torch.float32)
     decoded: list[int] = []
     original = chunks.ArrayReader._decode
-    monkeypatch.setattr(chunks.ArrayReader, "_decode", lambda self, i: decoded.append(i) or original(self, i))
+    monkeypatch.setattr(
+        chunks.ArrayReader, "_decode", lambda self, i, *data: decoded.append(i) or original(self, i, *data)
+    )
     for start, stop in [(0, 16), (15, 17), (40, 100), (290, 300), (100, 100)]:
         chunks.clear_cache()
         decoded.clear()
         assert torch.equal(store.lm_head(math.index, start, stop), full[start:stop])
         needed = list(range(start // 16, -(-stop // 16))) if stop > start else []
         assert sorted(decoded) == needed, (start, stop)
-    for chunk in (head_dir / "c").iterdir():
-        if int(chunk.name) not in {2, 3, 4, 5, 6}:
-            (chunk / "0").unlink()
+    shard = head_dir / "c" / "0" / "0"
+    for chunk, (offset, size) in enumerate(inner_chunks(shard, 19)):
+        if chunk not in {2, 3, 4, 5, 6}:  # garble every other inner chunk of the one shard file
+            with shard.open("r+b") as f:
+                f.seek(offset)
+                f.write(bytes(size))
     chunks.clear_cache()
     assert torch.equal(store.lm_head(math.index, 40, 100), full[40:100])
+    garbled = rf"teachers/{math.index}/lm_head: chunk 7 .* fails its crc32c"
+    with pytest.raises(StoreIntegrityError, match=garbled):
+        store.lm_head(math.index, 100, 120)
+
+
+def inner_chunks(shard: Path, count: int) -> list[tuple[int, int]]:
+    """(offset, size) of each inner chunk of a shard file, from its index at the end (zarr v3 spec)."""
+    data = shard.read_bytes()
+    index = np.frombuffer(data[-(16 * count + 4) : -4], dtype="<u8").reshape(count, 2)
+    return [(int(offset), int(size)) for offset, size in index]
 
 
 def test_lm_head_slice_past_vocabulary_is_zero_padding(small_store: StoreSpec) -> None:
@@ -129,8 +144,32 @@ def test_an_all_zero_chunk_is_written_and_read_back(tmp_path: Path) -> None:
     data = np.zeros((64, 4), dtype=np.uint16)
     data[40:] = 7
     write_array(tmp_path / "a", data, chunk_bytes=16 * 4 * 2, codec="shuffle-zstd1")
-    assert sorted(p.name for p in (tmp_path / "a" / "c").iterdir()) == ["0", "1", "2", "3"]
+    sizes = [size for _, size in inner_chunks(tmp_path / "a" / "c" / "0" / "0", 4)]
+    assert len(sizes) == 4 and min(sizes) > 4  # four inner chunks in the one shard, none left out
     assert np.array_equal(ArrayReader(tmp_path / "a", label="a").read(), data)
+
+
+@pytest.mark.parametrize("codec", ["shuffle-zstd1", "none"])
+def test_zarr_python_and_tensorstore_read_the_shard_files_mopd_writes(tmp_path: Path, codec: str) -> None:
+    """The one-shard layout is standard zarr v3 sharding: both libraries read mopd's files to the bit."""
+    import tensorstore as ts
+    import zarr
+
+    from mopd.store.arrays import write_array
+
+    rng = np.random.default_rng(0)
+    arrays = {
+        "hidden": rng.integers(0, 2**16, size=(1001, 24), dtype=np.uint16),  # 1001: a partial last chunk
+        "offsets": np.cumsum(rng.integers(1, 9, size=333)).astype(np.int64),
+        "mask": rng.integers(0, 2, size=517).astype(np.uint8),
+    }
+    for name, data in arrays.items():
+        write_array(tmp_path / name, data, chunk_bytes=1000, codec=codec)
+        assert sorted(p.name for p in (tmp_path / name).rglob("*") if p.is_file()) == ["0", "zarr.json"]
+        assert np.array_equal(zarr.open_array(zarr.storage.LocalStore(tmp_path / name), mode="r")[:], data)
+        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / name)}}
+        assert np.array_equal(ts.open(spec).result().read().result(), data)
+        assert np.array_equal(ArrayReader(tmp_path / name, label=name).read(), data)
 
 
 def test_batched_reads_decode_each_chunk_once(small_spec: StoreSpec, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,7 +189,7 @@ def test_batched_reads_decode_each_chunk_once(small_spec: StoreSpec, monkeypatch
     monkeypatch.setattr(
         ArrayReader,
         "_decode",
-        lambda self, index: decoded.append((self.label, index)) or original(self, index),
+        lambda self, index, *data: decoded.append((self.label, index)) or original(self, index, *data),
     )
     clear_cache()
     rows, states = store.rows(wanted), store.hiddens(wanted)
