@@ -29,7 +29,7 @@ import numpy as np
 from numcodecs import blosc
 
 from mopd.store.errors import StoreIntegrityError
-from mopd.store.jsonio import parse_json
+from mopd.store.jsonio import MAX_RECORD_BYTES, parse_json
 
 # crc32c(data + its crc32c as 4 little-endian bytes) is this constant for any data: a chunk is
 # checked in one pass over its bytes, trailer included, with no copy.
@@ -71,13 +71,21 @@ def _codec_chain(codecs: list[dict[str, Any]]) -> tuple[tuple[str, ...], str]:
     return chain, endian
 
 
-def array_header(path: Path, label: str) -> tuple[tuple[int, ...], str]:
-    """(shape, zarr data type) from an array's zarr.json: what `verify-manifest` checks of every array,
-    read without opening the array (a store of 10k shards holds 30k of them)."""
+def array_header(path: str, label: str) -> tuple[tuple[int, ...], str]:
+    """(shape, zarr data type) from the zarr.json of the array at `path`: what `verify-manifest` checks
+    of every array, read without opening it (a store of 10k shards holds 30k of them).
+
+    Raises:
+        FileNotFoundError: there is no zarr.json.
+        StoreIntegrityError: it cannot be read, or is not an array's.
+    """
     try:
-        data = (path / "zarr.json").read_bytes()
+        with open(os.path.join(path, "zarr.json"), "rb") as f:
+            data = f.read(MAX_RECORD_BYTES + 1)
         meta = parse_json(data, what=f"{label}/zarr.json", error=StoreIntegrityError)
         return tuple(int(n) for n in meta["shape"]), str(meta["data_type"])
+    except FileNotFoundError:
+        raise
     except OSError as err:
         raise StoreIntegrityError(f"{label}: the array's zarr.json cannot be read ({err.strerror})") from err
     except (KeyError, TypeError, ValueError) as err:
@@ -346,15 +354,17 @@ class ArrayReader:
             raise IndexError(f"{self.label}: a range outside [0, {self.shape[0]})")
         out = np.empty((int((stops - starts).sum()), *self.shape[1:]), dtype=self._layout.dtype)
         rows = self._chunk_rows
-        ranges = list(zip(starts.tolist(), stops.tolist(), strict=True))
-        spans = [range(start // rows, (stop - 1) // rows + 1) for start, stop in ranges if stop > start]
-        indices = sorted({index for span in spans for index in span})
-        decoded = map(self._chunk, indices) if len(indices) == 1 else _pool().map(self._chunk, indices)
-        chunks = dict(zip(indices, decoded, strict=True))
+        # Where each chunk's rows go: (position in out, first and last row inside the chunk).
+        pieces: dict[int, list[tuple[int, int, int]]] = {}
         at = 0
-        for start, stop in ranges:
+        for start, stop in zip(starts.tolist(), stops.tolist(), strict=True):
             for index in range(start // rows, (stop - 1) // rows + 1) if stop > start else ():
                 first, last = max(start, index * rows), min(stop, (index + 1) * rows)
-                out[at : at + last - first] = chunks[index][first - index * rows : last - index * rows]
+                pieces.setdefault(index, []).append((at, first - index * rows, last - index * rows))
                 at += last - first
+        indices = sorted(pieces)
+        decoded = map(self._chunk, indices) if len(indices) == 1 else _pool().map(self._chunk, indices)
+        for index, chunk in zip(indices, decoded, strict=True):  # in order, each chunk let go once copied
+            for at, first, last in pieces[index]:
+                out[at : at + last - first] = chunk[first:last]
         return out

@@ -344,7 +344,8 @@ def parse_part(data: bytes, path: Path, *, format_version: int = FORMAT_VERSION)
     return part
 
 
-def _read(path: Path, what: str) -> bytes:
+def read_record(path: Path, what: str) -> bytes:
+    """A record's bytes, refusing a missing or oversized file with a `ManifestError` naming it."""
     try:
         size = path.stat().st_size
         if size > MAX_RECORD_BYTES:
@@ -363,12 +364,12 @@ def load_manifest(path: Path) -> Manifest:
         FileNotFoundError: there is no manifest (the store is not finalized).
         ManifestError: see `parse_manifest`.
     """
-    return parse_manifest(_read(path, "manifest"), path)
+    return parse_manifest(read_record(path, "manifest"), path)
 
 
 def load_plan(path: Path) -> Plan:
-    return parse_plan(_read(path, "plan"), path)
+    return parse_plan(read_record(path, "plan"), path)
 
 
 def load_part(path: Path, *, format_version: int = FORMAT_VERSION) -> PartRecord:
-    return parse_part(_read(path, "part record"), path, format_version=format_version)
+    return parse_part(read_record(path, "part record"), path, format_version=format_version)

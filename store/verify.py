@@ -7,6 +7,7 @@ re-hashes every byte (on parallel threads).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,15 @@ from mopd.store.errors import ConfigError, MopdError
 from mopd.store.fingerprint import fingerprint_for_format
 from mopd.store.fsio import is_temporary, safe_join, sha256_file
 from mopd.store.layout import artifact_arrays
-from mopd.store.manifest import PARTS_DIR, ArtifactRecord, Manifest, TeacherEntry, artifact_hash, load_part
+from mopd.store.manifest import (
+    PARTS_DIR,
+    ArtifactRecord,
+    Manifest,
+    TeacherEntry,
+    artifact_hash,
+    parse_part,
+    read_record,
+)
 from mopd.store.reader import read_manifest
 from mopd.store.teachers import (
     TeacherIdentity,
@@ -39,42 +48,68 @@ def _check_artifact(
         folder = safe_join(root, artifact.path)
     except MopdError as err:
         return [str(err)], []
-    if not folder.exists():
+    if not folder.is_dir():
         return [f"{artifact.path}: missing ({artifact.kind} of task {artifact.task_id} was deleted)"], []
     part_path = root / PARTS_DIR / f"{artifact.task_id}.json"
     where = part_path.relative_to(root)
-    if not part_path.exists():
+    try:
+        data = read_record(part_path, "part record")
+    except FileNotFoundError:
         return [f"{where}: part record of task {artifact.task_id} is missing"], []
-    if sha256_file(part_path) != artifact.part_sha256:
+    except MopdError as err:
+        return [str(err)], []
+    if hashlib.sha256(data).hexdigest() != artifact.part_sha256:
         return [f"{where}: part record changed since the manifest was written"], []
     try:
-        part = load_part(part_path, format_version=manifest.format_version)
+        part = parse_part(data, part_path, format_version=manifest.format_version)
     except MopdError as err:
         return [str(err)], []
     if artifact_hash(part.files) != artifact.hash:
         return [f"{where}: file list does not match the manifest's hash"], []
-    problems, to_hash = [], []
+    found, problems = _listing(folder, artifact.path)
+    to_hash = []
     for rel, (size, digest) in part.files.items():
-        try:
-            path = safe_join(folder, rel)
-        except MopdError as err:
-            problems.append(f"{where}: {err}")
-            continue
-        if not path.is_file():
+        if not _plain_relative(rel):
+            problems.append(f"{where}: path {rel!r} must be relative and stay inside the store")
+        elif rel not in found:
             problems.append(f"{artifact.path}/{rel}: missing")
-        elif path.stat().st_size != size:
-            problems.append(
-                f"{artifact.path}/{rel}: {path.stat().st_size} bytes, recorded {size} (truncated?)"
-            )
+        elif found[rel] != size:
+            problems.append(f"{artifact.path}/{rel}: {found[rel]} bytes, recorded {size} (truncated?)")
         else:
-            to_hash.append((path, digest, f"{artifact.path}/{rel}"))
-    for folder_name, dirs, files in os.walk(folder):
-        dirs[:] = [d for d in dirs if not is_temporary(d)]
-        for name in files:
-            rel = (Path(folder_name) / name).relative_to(folder).as_posix()
-            if rel not in part.files and not is_temporary(name):
-                problems.append(f"{artifact.path}/{rel}: unexpected file, not in the part record")
+            to_hash.append((folder / rel, digest, f"{artifact.path}/{rel}"))
+    problems += [
+        f"{artifact.path}/{rel}: unexpected file, not in the part record"
+        for rel in sorted(found.keys() - part.files.keys())
+    ]
     return problems, to_hash
+
+
+def _plain_relative(rel: str) -> bool:
+    parts = rel.split("/")
+    return not rel.startswith("/") and all(part not in ("", ".", "..") for part in parts)
+
+
+def _listing(folder: Path, label: str) -> tuple[dict[str, int], list[str]]:
+    """Relative path → size of every file below `folder` (temporaries left out), and a problem for each
+    symbolic link: a store never holds one, so nothing a record names can lead outside it. One scandir
+    per folder, on plain strings (a store of 10k shards holds 80k folders)."""
+    found: dict[str, int] = {}
+    problems: list[str] = []
+    pending = [("", str(folder))]
+    while pending:
+        prefix, current = pending.pop()
+        with os.scandir(current) as entries:
+            for entry in entries:
+                rel = prefix + entry.name
+                if is_temporary(entry.name):
+                    continue
+                if entry.is_symlink():
+                    problems.append(f"{label}/{rel}: a symbolic link, which a store never holds")
+                elif entry.is_dir():
+                    pending.append((rel + "/", entry.path))
+                else:
+                    found[rel] = entry.stat().st_size
+    return found, problems
 
 
 def _hash_problems(files: list[tuple[Path, str, str]], threads: int) -> Iterator[str]:
@@ -90,12 +125,11 @@ def _check_shapes(root: Path, manifest: Manifest) -> list[str]:
     problems = []
     for artifact in manifest.artifacts():
         for array in artifact_arrays(artifact, manifest):
-            path = root / artifact.path / array.name if array.name else root / artifact.path
             where = f"{artifact.path}/{array.name}".rstrip("/")
-            if not (path / "zarr.json").exists():
-                continue  # reported as a missing file or folder already
             try:
-                shape, dtype = array_header(path, where)
+                shape, dtype = array_header(os.path.join(root, where), where)
+            except FileNotFoundError:
+                continue  # reported as a missing file or folder already
             except MopdError as err:
                 problems.append(f"{where}: unreadable array metadata ({err})")
                 continue
