@@ -9,7 +9,6 @@ from rich.table import Table
 
 from mopd.cli.console import plain_log, stderr_console
 from mopd.cli.store_commands import format_size
-from mopd.precompute.runner import run_precompute, slurm_task_split
 from mopd.store.config import load_config
 
 
@@ -33,6 +32,8 @@ def precompute_command(
     Resumable: finished tasks are skipped. With --num-tasks N --task-index I (or inside a SLURM job
     array) this job runs its share only; the job that finishes the last task writes the manifest.
     """
+    from mopd.precompute.runner import run_precompute, slurm_task_split  # torch: not for `mopd --help`
+
     if (num_tasks is None) != (task_index is None):
         raise click.UsageError("--num-tasks and --task-index go together")
     split = (num_tasks, task_index) if num_tasks is not None and task_index is not None else None

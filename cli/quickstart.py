@@ -20,13 +20,10 @@ from rich.table import Table
 from mopd.cli.console import plain_log, stderr_console
 from mopd.cli.quickstart_assets import BIG_TEACHER, SMALL_TEACHER, STUDENT, prepare_models, write_dataset
 from mopd.cli.store_commands import format_size
-from mopd.precompute.runner import run_precompute
 from mopd.store.config import load_config
 from mopd.store.errors import MopdError
-from mopd.store.reader import open_store
 from mopd.store.summary import summarise_store
 from mopd.store.verify import verify_store
-from mopd.train.trainer import run_training
 
 
 @dataclass(frozen=True)
@@ -71,6 +68,10 @@ def quickstart_config(size: Size) -> dict:
 
 def run_quickstart(workdir: Path, *, small: bool, console: Console) -> Table:
     """Runs every stage; returns the closing table (also printed)."""
+    from mopd.precompute.runner import run_precompute  # torch: imported for the commands that run models
+    from mopd.store.reader import open_store
+    from mopd.train.trainer import run_training
+
     size = SMALL if small else FULL
     start = time.perf_counter()
     workdir.mkdir(parents=True, exist_ok=True)

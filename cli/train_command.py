@@ -8,8 +8,6 @@ import click
 
 from mopd.cli.console import plain_log, stderr_console
 from mopd.store.config import load_config
-from mopd.train.export import export_hf
-from mopd.train.trainer import run_training
 
 
 @click.command("train")
@@ -47,6 +45,8 @@ def train_command(
     OUTPUT/checkpoints/step_NNNNNNNN/ (the student under model/: a transformers checkpoint, or one shard
     per tensor-parallel slice and stage on the megatron backend — see `mopd export-hf`).
     """
+    from mopd.train.trainer import run_training  # torch and transformers: imported for this command only
+
     config = load_config(config_path)
     console = stderr_console()
     log = plain_log(console)
@@ -75,5 +75,7 @@ def export_hf_command(checkpoint: Path, output: Path) -> None:
     complete checkpoint). A megatron-backend checkpoint's shards are joined into the student's own
     architecture; one process, no torchrun. OUTPUT must be a new (or empty) folder.
     """
+    from mopd.train.export import export_hf
+
     exported = export_hf(checkpoint, output)
     stderr_console().print(f"exported {exported} to {output}")

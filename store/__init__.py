@@ -1,5 +1,7 @@
 """mopd.store: the on-disk teacher store (format, writers, readers, verification)."""
 
+from typing import TYPE_CHECKING, Any
+
 from mopd.store.errors import (
     ConfigError,
     FilesystemError,
@@ -9,8 +11,23 @@ from mopd.store.errors import (
     StoreIntegrityError,
 )
 from mopd.store.manifest import FORMAT, FORMAT_VERSION, Manifest
-from mopd.store.reader import Row, TeacherStore, open_store
 from mopd.store.version import __version__
+
+if TYPE_CHECKING:
+    from mopd.store.reader import Row, TeacherStore, open_store
+
+_READER = ("Row", "TeacherStore", "open_store")
+
+
+def __getattr__(name: str) -> Any:
+    """The read API on first use: the reader imports torch, which the metadata commands
+    (`verify-manifest`, `inspect`) never need."""
+    if name in _READER:
+        from mopd.store import reader
+
+        return getattr(reader, name)
+    raise AttributeError(f"module 'mopd.store' has no attribute {name!r}")
+
 
 __all__ = [
     "FORMAT",

@@ -27,7 +27,6 @@ from typing import Any
 
 import google_crc32c
 import numpy as np
-import torch
 import zarr
 from numcodecs import Blosc
 from zarr.codecs import BloscCodec, Crc32cCodec
@@ -57,31 +56,6 @@ def storage_dtype(logical_dtype: str) -> np.dtype:
     if logical_dtype in _STORAGE_DTYPE:
         return _STORAGE_DTYPE[logical_dtype]
     return np.dtype(logical_dtype)
-
-
-def torch_logical_dtype(dtype: torch.dtype) -> str:
-    names = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
-    if dtype not in names:
-        raise ValueError(f"tensors of dtype {dtype} cannot be stored; use bfloat16 or float32")
-    return names[dtype]
-
-
-def to_storage(tensor: torch.Tensor, logical_dtype: str) -> np.ndarray:
-    """A CPU numpy view of `tensor` in its on-disk representation (no rounding: dtypes must match)."""
-    tensor = tensor.detach().cpu().contiguous()
-    if torch_logical_dtype(tensor.dtype) != logical_dtype:
-        raise ValueError(f"tensor is {tensor.dtype}, the array stores {logical_dtype}")
-    if logical_dtype == "bfloat16":
-        return tensor.view(torch.int16).numpy().view(np.uint16)
-    return tensor.numpy()
-
-
-def from_storage(array: np.ndarray, logical_dtype: str) -> torch.Tensor:
-    """The torch tensor whose on-disk representation is `array`."""
-    array = np.ascontiguousarray(array)
-    if logical_dtype == "bfloat16":
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
 
 
 def chunk_rows(row_bytes: int, chunk_bytes: int) -> int:

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
 
-from mopd.store.errors import ManifestError
+from mopd.store.errors import ManifestError, StoreIncompleteError
 from mopd.store.jsonio import MAX_RECORD_BYTES, describe_location, parse_json
 
 FORMAT = "mopd-teacher-store"
@@ -373,3 +373,32 @@ def load_plan(path: Path) -> Plan:
 
 def load_part(path: Path, *, format_version: int = FORMAT_VERSION) -> PartRecord:
     return parse_part(read_record(path, "part record"), path, format_version=format_version)
+
+
+def task_progress(root: Path) -> tuple[int, int]:
+    """(done, total) tasks of an unfinalized store, from its plan and part records."""
+    plan = load_plan(root / PLAN_FILE)
+    done = sum((root / PARTS_DIR / f"{task.task_id}.json").exists() for task in plan.tasks)
+    return done, len(plan.tasks)
+
+
+def read_manifest(root: Path) -> Manifest:
+    """The store's manifest; a missing one is reported with how many tasks are done.
+
+    Raises:
+        StoreIncompleteError: no manifest yet (message says done/total tasks and what to run).
+        ManifestError: not a store, or an unsupported format.
+    """
+    try:
+        return load_manifest(root / MANIFEST_FILE)
+    except FileNotFoundError:
+        pass
+    if not root.is_dir():
+        raise ManifestError(f"store {root} does not exist")
+    if not (root / PLAN_FILE).exists():
+        raise ManifestError(f"{root} is not a mopd store: it has no {MANIFEST_FILE} and no {PLAN_FILE}")
+    done, total = task_progress(root)
+    raise StoreIncompleteError(
+        f"{root} has no {MANIFEST_FILE}: {done} of {total} tasks are done; run `mopd precompute` again "
+        "with the same config to finish it (finished tasks are skipped)"
+    )

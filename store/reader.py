@@ -17,21 +17,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mopd.store.arrays import from_storage
 from mopd.store.chunks import ArrayReader
-from mopd.store.errors import ManifestError, StoreIncompleteError, StoreIntegrityError
+from mopd.store.errors import ManifestError, StoreIntegrityError
 from mopd.store.fsio import safe_join
 from mopd.store.layout import HIDDEN, INPUT_IDS, LOSS_MASK, OFFSETS, ROW_IDS, TEACHER_INDEX
 from mopd.store.manifest import (
-    MANIFEST_FILE,
     PARTS_DIR,
-    PLAN_FILE,
-    Manifest,
     TeacherEntry,
-    load_manifest,
     load_part,
-    load_plan,
+    read_manifest,
 )
+from mopd.store.tensors import from_storage
 from mopd.store.transform import LogitTransform
 
 FORMAT_1_NOTE = (
@@ -47,35 +43,6 @@ class Row:
     input_ids: torch.Tensor  # [L] int64
     loss_mask: torch.Tensor  # [L] bool
     teacher_index: int
-
-
-def task_progress(root: Path) -> tuple[int, int]:
-    """(done, total) tasks of an unfinalized store, from its plan and part records."""
-    plan = load_plan(root / PLAN_FILE)
-    done = sum((root / PARTS_DIR / f"{task.task_id}.json").exists() for task in plan.tasks)
-    return done, len(plan.tasks)
-
-
-def read_manifest(root: Path) -> Manifest:
-    """The store's manifest; a missing one is reported with how many tasks are done.
-
-    Raises:
-        StoreIncompleteError: no manifest yet (message says done/total tasks and what to run).
-        ManifestError: not a store, or an unsupported format.
-    """
-    try:
-        return load_manifest(root / MANIFEST_FILE)
-    except FileNotFoundError:
-        pass
-    if not root.is_dir():
-        raise ManifestError(f"store {root} does not exist")
-    if not (root / PLAN_FILE).exists():
-        raise ManifestError(f"{root} is not a mopd store: it has no {MANIFEST_FILE} and no {PLAN_FILE}")
-    done, total = task_progress(root)
-    raise StoreIncompleteError(
-        f"{root} has no {MANIFEST_FILE}: {done} of {total} tasks are done; run `mopd precompute` again "
-        "with the same config to finish it (finished tasks are skipped)"
-    )
 
 
 class TeacherStore:

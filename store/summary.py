@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mopd.store.arrays import storage_dtype
-from mopd.store.reader import open_store
+from mopd.store.manifest import read_manifest
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,7 @@ class StoreSummary:
 
 
 def summarise_store(root: str | Path) -> StoreSummary:
-    store = open_store(root)
-    manifest = store.manifest
+    manifest = read_manifest(Path(root))
     itemsize = storage_dtype(manifest.storage.hidden_dtype).itemsize
     teachers = []
     for teacher in manifest.teachers:

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from mopd.store.arrays import ArrayAppender, to_storage, torch_logical_dtype
+from mopd.store.arrays import ArrayAppender
 from mopd.store.layout import (
     HIDDEN,
     INPUT_IDS,
@@ -22,6 +22,7 @@ from mopd.store.layout import (
     shard_arrays,
 )
 from mopd.store.manifest import HeadInfo
+from mopd.store.tensors import to_storage, torch_logical_dtype
 from mopd.store.writer import TaskOutput
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # tensors are only passed through: the metadata commands never import torch
+    import torch
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class LogitTransform:
         if self.logit_scale is not None:
             logits = logits * self.logit_scale
         if self.final_logit_softcap is not None:
-            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+            logits = (logits / self.final_logit_softcap).tanh() * self.final_logit_softcap
         return logits
 
     def apply_(self, logits: torch.Tensor) -> torch.Tensor:

@@ -249,3 +249,20 @@ def test_config_with_two_aliases_swapped(small_store: StoreSpec, tmp_path: Path)
     code, math = sorted(lines)
     assert code.startswith("alias code names teacher 1 (") and "math-teacher (the store's teacher 2)" in code
     assert math.startswith("alias math names teacher 2 (") and "code-teacher (the store's teacher 1)" in math
+
+
+def test_folders_checked_in_several_processes_find_what_one_process_finds(small_store: StoreSpec) -> None:
+    """Large stores split the folder checks over processes: the same problems, in the same order, and
+    the same files to hash, as one process."""
+    from mopd.store.manifest import read_manifest
+    from mopd.store.verify import _check_folders
+
+    root = Path(small_store.root)
+    chunk = hidden_chunk(root)
+    chunk.write_bytes(chunk.read_bytes()[:-1])
+    shutil.rmtree(root / "teachers" / "2" / "shards" / "shard_000000")
+    (root / "teachers" / "0" / "lm_head" / "stray").write_bytes(b"x")
+    manifest = read_manifest(root)
+    one = _check_folders(root, manifest)
+    several = _check_folders(root, manifest, parallel_from=1)
+    assert several == one and len(one[0]) == 3 and len(one[1]) > 10

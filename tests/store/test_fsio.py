@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from mopd.store.errors import FilesystemError, ManifestError
-from mopd.store.fsio import create_exclusive, probe_filesystem, publish_dir, safe_join
+from mopd.store.fsio import SafePaths, create_exclusive, probe_filesystem, publish_dir, safe_join
 
 
 def test_create_exclusive_never_overwrites(tmp_path: Path) -> None:
@@ -45,12 +45,18 @@ def test_probe_names_filesystem_when_rename_overwrites(
         probe_filesystem(tmp_path)
 
 
-def test_safe_join_refuses_escapes(tmp_path: Path) -> None:
-    (tmp_path / "store").mkdir()
-    assert safe_join(tmp_path / "store", "teachers/0") == tmp_path / "store" / "teachers" / "0"
+@pytest.mark.parametrize("many", [False, True], ids=["safe_join", "SafePaths"])
+def test_safe_join_refuses_escapes(tmp_path: Path, many: bool) -> None:
+    root = tmp_path / "store"
+    (root / "a" / "b").mkdir(parents=True)
+    join = SafePaths(root).join if many else lambda relative: safe_join(root, relative)
+    assert join("teachers/0") == root / "teachers" / "0"
     for bad in ("../outside", "/etc/passwd", "a/../../b"):
         with pytest.raises(ManifestError, match="must be relative"):
-            safe_join(tmp_path / "store", bad)
-    os.symlink(tmp_path, tmp_path / "store" / "link")
+            join(bad)
+    os.symlink(root / "a", root / "inside")
+    assert join("inside/b") == root / "inside" / "b"  # a link that stays in the store
+    os.symlink(tmp_path, root / "a" / "link")
+    join("a/b")  # its parents checked once, the link below them is still found
     with pytest.raises(ManifestError, match="leads outside the store"):
-        safe_join(tmp_path / "store", "link/x")
+        join("a/link/x")
