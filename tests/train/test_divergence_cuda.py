@@ -86,23 +86,10 @@ def test_cuda_and_cpu_agree_on_one_call() -> None:
     """The same fp32 call on both devices: within the error model of each (twice the bound)."""
     n, vocab, width, chunk = SHAPES[1]
     case = make_case(num_tokens=n, vocab=vocab, student_size=width, teachers=3, seed=8)
-    cpu = linear_divergence(
-        case.student_hidden.detach(),
-        case.student_head.detach(),
-        case.teacher_hidden,
-        case.teacher_heads,
-        case.teacher_index,
-        chunk_size=chunk,
-        weights=case.weights,
-    )
-    gpu = on_cuda(case)
-    cuda = linear_divergence(
-        gpu.student_hidden.detach(),
-        gpu.student_head.detach(),
-        gpu.teacher_hidden,
-        gpu.teacher_heads,
-        gpu.teacher_index,
-        chunk_size=chunk,
-        weights=gpu.weights,
-    )
-    assert_close(cuda.per_token, cpu.per_token, rtol=2 * rtol_of(case), norm=True, what="per_token")
+
+    def values(c: Case) -> torch.Tensor:
+        student = (c.student_hidden.detach(), c.student_head.detach())
+        teachers = (c.teacher_hidden, c.teacher_heads, c.teacher_index)
+        return linear_divergence(*student, *teachers, chunk_size=chunk, weights=c.weights).per_token
+
+    assert_close(values(on_cuda(case)), values(case), rtol=2 * rtol_of(case), norm=True, what="per_token")
