@@ -81,17 +81,27 @@ def array_header(path: str, label: str) -> tuple[tuple[int, ...], str]:
         FileNotFoundError: there is no zarr.json.
         StoreIntegrityError: it cannot be read, or is not an array's.
     """
-    try:
-        with open(os.path.join(path, "zarr.json"), "rb") as f:
-            data = f.read(MAX_RECORD_BYTES + 1)
-    except FileNotFoundError:
-        raise
-    except OSError as err:
-        raise StoreIntegrityError(f"{label}: the array's zarr.json cannot be read ({err.strerror})") from err
+    data = _header_bytes(path, label)
     try:
         return _parse_header(data)
     except StoreIntegrityError as err:
         raise StoreIntegrityError(f"{label}/{err}") from err
+
+
+def _header_bytes(path: str | Path, label: str) -> bytes:
+    """The bytes of the array's zarr.json (at most one past the record limit, which parsing refuses).
+
+    Raises:
+        FileNotFoundError: there is no zarr.json.
+        StoreIntegrityError: it cannot be read.
+    """
+    try:
+        with open(os.path.join(path, "zarr.json"), "rb") as f:
+            return f.read(MAX_RECORD_BYTES + 1)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        raise StoreIntegrityError(f"{label}: the array's zarr.json cannot be read ({err.strerror})") from err
 
 
 @functools.lru_cache(maxsize=4096)
@@ -106,9 +116,9 @@ def _parse_header(data: bytes) -> tuple[tuple[int, ...], str]:
 def _layout(path: Path, label: str) -> _Layout:
     """The array's layout from its zarr.json, refusing any layout mopd does not write."""
     try:
-        data = (path / "zarr.json").read_bytes()
-    except OSError as err:
-        raise StoreIntegrityError(f"{label}: the array's zarr.json cannot be read ({err.strerror})") from err
+        data = _header_bytes(path, label)
+    except FileNotFoundError:
+        raise StoreIntegrityError(f"{label}: the array's zarr.json is missing") from None
     meta = parse_json(data, what=f"{label}/zarr.json", error=StoreIntegrityError)
     try:
         shape = tuple(int(n) for n in meta["shape"])
@@ -214,6 +224,22 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL
 
 
+def _stat(file: Path, where: str, *, missing_ok: bool) -> os.stat_result | None:
+    """The file's stat; None when it is absent and that is allowed.
+
+    Raises:
+        StoreIntegrityError: it is missing (and that is not allowed) or cannot be read.
+    """
+    try:
+        return file.stat()
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        raise StoreIntegrityError(f"{where} is missing") from None
+    except OSError as err:
+        raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
+
+
 class ArrayReader:
     """Reads rows of one stored array, refusing anything that is not the stored data.
 
@@ -261,14 +287,9 @@ class ArrayReader:
             return self._inner_chunk(index)
         file = chunk_file(self.path, index, len(self.shape))
         where = f"{self.label}: chunk {index} ({file})"
-        try:
-            stat = file.stat()
-        except FileNotFoundError:
-            if self._fill_missing:
-                return np.full(self._layout.chunk_shape, self._layout.fill_value, dtype=self._layout.dtype)
-            raise StoreIntegrityError(f"{where} is missing") from None
-        except OSError as err:
-            raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
+        stat = _stat(file, where, missing_ok=self._fill_missing)
+        if stat is None:
+            return np.full(self._layout.chunk_shape, self._layout.fill_value, dtype=self._layout.dtype)
         key = (str(file), index, stat.st_ino, stat.st_size, stat.st_mtime_ns)
         chunk = _CACHE.get(key)
         if chunk is None:
@@ -306,12 +327,8 @@ class ArrayReader:
         """A shard file, its identity and its verified index ([chunks, 2]: offset, size), read once."""
         file = chunk_file(self.path, shard, len(self.shape))
         where = f"{self.label}: shard {shard} ({file})"
-        try:
-            stat = file.stat()
-        except FileNotFoundError:
-            raise StoreIntegrityError(f"{where} is missing") from None
-        except OSError as err:
-            raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
+        stat = _stat(file, where, missing_ok=False)
+        assert stat is not None
         identity = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
         key = (str(file), *identity)
         entries = _INDEXES.get(key)
