@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
+import threading
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
@@ -150,8 +151,10 @@ def _check_folders(
     blocks = [artifacts[i : i + size] for i in range(0, len(artifacts), size)]
     if len(blocks) <= 1:
         return _check_block(root, manifest, artifacts)
-    # fork: the children need nothing but these arguments, and start in milliseconds.
-    context = multiprocessing.get_context("fork")
+    # fork: the children need nothing but these arguments, and start in milliseconds. A caller with
+    # threads running (a lock one of them holds would stay held in the child) gets forkserver's clean
+    # children instead, at the cost of their start.
+    context = multiprocessing.get_context("fork" if threading.active_count() == 1 else "forkserver")
     with ProcessPoolExecutor(max_workers=len(blocks), mp_context=context) as pool:
         results = list(pool.map(_check_block, [root] * len(blocks), [manifest] * len(blocks), blocks))
     return [p for found, _ in results for p in found], [f for _, files in results for f in files]

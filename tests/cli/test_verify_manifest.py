@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -251,9 +252,13 @@ def test_config_with_two_aliases_swapped(small_store: StoreSpec, tmp_path: Path)
     assert math.startswith("alias math names teacher 2 (") and "code-teacher (the store's teacher 1)" in math
 
 
-def test_folders_checked_in_several_processes_find_what_one_process_finds(small_store: StoreSpec) -> None:
+@pytest.mark.parametrize("caller_threads", [0, 1], ids=["fork", "forkserver"])
+def test_folders_checked_in_several_processes_find_what_one_process_finds(
+    small_store: StoreSpec, caller_threads: int
+) -> None:
     """Large stores split the folder checks over processes: the same problems, in the same order, and
-    the same files to hash, as one process."""
+    the same files to hash, as one process; also from a caller with threads running (whose children
+    start from a fork server)."""
     from mopd.store.manifest import read_manifest
     from mopd.store.verify import _check_folders
 
@@ -264,5 +269,14 @@ def test_folders_checked_in_several_processes_find_what_one_process_finds(small_
     (root / "teachers" / "0" / "lm_head" / "stray").write_bytes(b"x")
     manifest = read_manifest(root)
     one = _check_folders(root, manifest)
-    several = _check_folders(root, manifest, parallel_from=1)
+    release = threading.Event()
+    running = [threading.Thread(target=release.wait) for _ in range(caller_threads)]
+    for thread in running:
+        thread.start()
+    try:
+        several = _check_folders(root, manifest, parallel_from=1)
+    finally:
+        release.set()
+    for thread in running:
+        thread.join()
     assert several == one and len(one[0]) == 3 and len(one[1]) > 10
