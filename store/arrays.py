@@ -1,7 +1,7 @@
 """Zarr v3 arrays of the store: creation, streaming writes of one shard file per array, logical dtypes.
 
 Format 3 stores every numeric array as one shard (zarr v3's `sharding_indexed` codec): a single file
-`c/0[/0]` holding inner chunks of about `chunk_bytes` each, every one encoded bytes → blosc (optional)
+`c/0[/0]` holding inner chunks of about `chunk_bytes` each (at most `MAX_INNER_ROWS` rows), every one encoded bytes → blosc (optional)
 → crc32c, followed by the shard index (offset and size of each inner chunk, itself crc32c-protected).
 One file per array keeps the file count of a store at a few per task whatever its size, and a read
 decodes only the inner chunks it needs (`chunks.ArrayReader`). zarr-python writes each array's
@@ -58,9 +58,16 @@ def storage_dtype(logical_dtype: str) -> np.dtype:
     return np.dtype(logical_dtype)
 
 
+# Rows per inner chunk at most. A read decodes whole inner chunks, and the loader reads a row's tokens
+# from every per-token array: at 256 KiB a chunk of `input_ids` (4 bytes a token) would span 65,536
+# tokens and one of `loss_mask` 262,144, for a row of ~100, where the hidden states' chunk spans 2,048
+# (H=64, bf16). Capped, a random row's token arrays cost a few KiB to decode instead of 512 KiB.
+MAX_INNER_ROWS = 4096
+
+
 def chunk_rows(row_bytes: int, chunk_bytes: int) -> int:
-    """Rows per chunk so that a chunk holds about `chunk_bytes`."""
-    return max(1, chunk_bytes // max(1, row_bytes))
+    """Rows per chunk so that a chunk holds about `chunk_bytes`, and at most `MAX_INNER_ROWS`."""
+    return max(1, min(MAX_INNER_ROWS, chunk_bytes // max(1, row_bytes)))
 
 
 def create_array(
