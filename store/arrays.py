@@ -1,8 +1,9 @@
 """Zarr v3 arrays of the store: creation, streaming writes of one shard file per array, logical dtypes.
 
 Format 3 stores every numeric array as one shard (zarr v3's `sharding_indexed` codec): a single file
-`c/0[/0]` holding inner chunks of about `chunk_bytes` each (at most `MAX_INNER_ROWS` rows), every one encoded bytes → blosc (optional)
-→ crc32c, followed by the shard index (offset and size of each inner chunk, itself crc32c-protected).
+`c/0[/0]` holding inner chunks of about `chunk_bytes` each (at most `MAX_INNER_ROWS` rows), every one
+encoded bytes → blosc (optional) → crc32c, followed by the shard index (offset and size of each inner
+chunk, itself crc32c-protected).
 One file per array keeps the file count of a store at a few per task whatever its size, and a read
 decodes only the inner chunks it needs (`chunks.ArrayReader`). zarr-python writes each array's
 metadata; mopd writes the shard file itself, streaming: inner chunks are encoded on a small thread pool
@@ -23,16 +24,16 @@ import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import google_crc32c
 import numpy as np
-import zarr
-from numcodecs import Blosc
-from zarr.codecs import BloscCodec, Crc32cCodec
 
 from mopd.store import faults
 from mopd.store.chunks import chunk_file
+
+if TYPE_CHECKING:
+    from numcodecs import Blosc
 
 CODECS = ("shuffle-zstd1", "none")
 # Blosc splits a chunk into blocks; 1 MiB blocks give zstd enough context to reach the ~1.46x that
@@ -88,6 +89,10 @@ def create_array(
         codec: 'shuffle-zstd1' (blosc byte-shuffle + zstd level 1) or 'none'.
         checksum: end every inner chunk with its crc32c (checked on every read).
     """
+    import zarr  # here, not at the top: the metadata commands (verify-manifest) never write arrays
+    from numcodecs import Blosc
+    from zarr.codecs import BloscCodec, Crc32cCodec
+
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
     np_dtype = storage_dtype(dtype)
@@ -258,6 +263,9 @@ def write_array(
 
 def write_strings(path: Path, values: list[str], *, checksum: bool = True) -> None:
     """A 1-d array of variable-length UTF-8 strings (zarr-python; small provenance columns only)."""
+    import zarr
+    from zarr.codecs import Crc32cCodec
+
     array = zarr.create_array(
         zarr.storage.LocalStore(path),
         shape=(len(values),),

@@ -55,13 +55,14 @@ def test_guard_catches_a_violation(tmp_path: Path) -> None:
 
 def test_the_cli_and_the_store_metadata_import_no_torch() -> None:
     """`mopd --help`, `verify-manifest` and `inspect` start in a fraction of a second: torch (over a
-    second to import) loads only for the commands that run models or read tensors."""
+    second to import) loads only for the commands that run models or read tensors, and zarr-python
+    (0.2 s) only for those that write arrays."""
     import subprocess
     import sys
 
     probe = (
         "import sys, mopd.cli.main, mopd.store.verify, mopd.store.summary, mopd.store\n"
-        "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))"
+        "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'zarr') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
