@@ -11,7 +11,8 @@ import hashlib
 import multiprocessing
 import os
 import threading
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 from mopd.store.arrays import storage_dtype
@@ -114,23 +115,6 @@ def _listing(folder: Path, label: str) -> tuple[dict[str, int], list[str]]:
     return found, problems
 
 
-def _hash_problems(files: list[tuple[Path, str, str]], threads: int) -> list[str]:
-    """Files whose content no longer has its recorded sha256, in the order given.
-
-    Largest files first on `threads` threads (sha256 releases the GIL): a store's few large shard
-    files then finish together instead of the last one hashing alone on one core.
-    """
-    largest_first = sorted(range(len(files)), key=lambda i: -files[i][0].stat().st_size)
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        found = pool.map(lambda i: sha256_file(files[i][0]), largest_first)
-        digests = dict(zip(largest_first, found, strict=True))
-    return [
-        f"{where}: content changed (sha256 differs from the record)"
-        for i, (_path, recorded, where) in enumerate(files)
-        if digests[i] != recorded
-    ]
-
-
 # Threads hashing files for `--full`: more than the cores, so that reads overlap (the disk, or a
 # networked filesystem, serves several at once) while sha256 keeps every core busy.
 HASH_THREADS = 8
@@ -139,25 +123,52 @@ HASH_THREADS = 8
 # system calls: a store of 10k shards takes ~3.5 s on one core of the development machine).
 PARALLEL_FOLDERS = 2000
 
+# Task folders per block of the metadata pass: each block's files start hashing as soon as it is done.
+FOLDERS_PER_BLOCK = 64
 
-def _check_folders(
-    root: Path, manifest: Manifest, *, parallel_from: int = PARALLEL_FOLDERS
-) -> tuple[list[str], list[tuple[Path, str, str]]]:
-    """Every task folder against its records and its arrays' headers against the layout: problems in
-    manifest order, and the files a full check hashes."""
+
+def _check_store(root: Path, manifest: Manifest, *, full: bool, threads: int) -> list[str]:
+    """Every task folder against its records; with `full`, every recorded file against its sha256.
+
+    The hashing overlaps the folder checks: each block's files are queued to `threads` threads (sha256
+    releases the GIL) as soon as the block is checked, so that `--full` costs about one read of the
+    store, not a metadata pass and then a read.
+    """
+    problems: list[str] = []
+    hashed: list[tuple[Future[str], str, str]] = []
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for found, files in _folder_checks(root, manifest):
+            problems += found
+            if full:
+                hashed += [(pool.submit(sha256_file, path), digest, where) for path, digest, where in files]
+        problems += [
+            f"{where}: content changed (sha256 differs from the record)"
+            for digest, recorded, where in hashed
+            if digest.result() != recorded
+        ]
+    return problems
+
+
+def _folder_checks(
+    root: Path,
+    manifest: Manifest,
+    *,
+    parallel_from: int = PARALLEL_FOLDERS,
+    per_block: int = FOLDERS_PER_BLOCK,
+) -> Iterator[tuple[list[str], list[tuple[Path, str, str]]]]:
+    """Blocks of task folders checked against their records and their arrays' headers against the
+    layout, in manifest order: each block's problems and the files a full check hashes."""
     artifacts = list(manifest.artifacts())
-    workers = 4 if len(artifacts) >= parallel_from else 1
-    size = -(-len(artifacts) // workers)
-    blocks = [artifacts[i : i + size] for i in range(0, len(artifacts), size)]
-    if len(blocks) <= 1:
-        return _check_block(root, manifest, artifacts)
+    blocks = [artifacts[i : i + per_block] for i in range(0, len(artifacts), per_block)]
+    if len(artifacts) < parallel_from or len(blocks) <= 1:
+        yield from (_check_block(root, manifest, block) for block in blocks)
+        return
     # fork: the children need nothing but these arguments, and start in milliseconds. A caller with
     # threads running (a lock one of them holds would stay held in the child) gets forkserver's clean
     # children instead, at the cost of their start.
     context = multiprocessing.get_context("fork" if threading.active_count() == 1 else "forkserver")
-    with ProcessPoolExecutor(max_workers=len(blocks), mp_context=context) as pool:
-        results = list(pool.map(_check_block, [root] * len(blocks), [manifest] * len(blocks), blocks))
-    return [p for found, _ in results for p in found], [f for _, files in results for f in files]
+    with ProcessPoolExecutor(max_workers=min(4, len(blocks)), mp_context=context) as pool:
+        yield from pool.map(_check_block, [root] * len(blocks), [manifest] * len(blocks), blocks)
 
 
 def _check_block(
@@ -290,10 +301,7 @@ def verify_store(
         return [str(err)], []
     problems: list[str] = []
     warnings: list[str] = []
-    found, to_hash = _check_folders(root, manifest)
-    problems += found
-    if full:
-        problems += _hash_problems(to_hash, threads or HASH_THREADS)
+    problems += _check_store(root, manifest, full=full, threads=threads or HASH_THREADS)
     if config is not None:
         found, config_warnings = check_config(manifest, config)
         problems += found

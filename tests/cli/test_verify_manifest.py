@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -260,7 +262,7 @@ def test_folders_checked_in_several_processes_find_what_one_process_finds(
     the same files to hash, as one process; also from a caller with threads running (whose children
     start from a fork server)."""
     from mopd.store.manifest import read_manifest
-    from mopd.store.verify import _check_folders
+    from mopd.store.verify import _folder_checks
 
     root = Path(small_store.root)
     chunk = hidden_chunk(root)
@@ -268,13 +270,18 @@ def test_folders_checked_in_several_processes_find_what_one_process_finds(
     shutil.rmtree(root / "teachers" / "2" / "shards" / "shard_000000")
     (root / "teachers" / "0" / "lm_head" / "stray").write_bytes(b"x")
     manifest = read_manifest(root)
-    one = _check_folders(root, manifest)
+
+    def checked(blocks: Iterable[tuple[list[str], list[Any]]]) -> tuple[list[str], list[Any]]:
+        done = list(blocks)
+        return [p for found, _ in done for p in found], [f for _, files in done for f in files]
+
+    one = checked(_folder_checks(root, manifest))
     release = threading.Event()
     running = [threading.Thread(target=release.wait) for _ in range(caller_threads)]
     for thread in running:
         thread.start()
     try:
-        several = _check_folders(root, manifest, parallel_from=1)
+        several = checked(_folder_checks(root, manifest, parallel_from=1, per_block=1))
     finally:
         release.set()
     for thread in running:
