@@ -3,7 +3,13 @@
 Legend: N tokens, C tokens in a chunk, V this tensor-parallel rank's vocabulary slice (V_local),
 Hs / Ht student / teacher hidden sizes. `x_NH` is [N, H], `logits_CV` is [C, V], and so on.
 
-Per chunk, both sides' logits come from a GEMM in fp32; the softmax statistics are global over the
+Precision: every logit, statistic and gradient accumulator is fp32. On CUDA, bf16/fp16 hidden states
+and heads go into the GEMMs as they are, with fp32 products (bf16 × bf16 is exact in fp32, so nothing
+of the stored values is lost, and no [V, H] head is ever copied); on the CPU, whose bf16 GEMMs are
+slow, operands are upcast: the student's once per call, a teacher's head only while its tokens are in
+flight (tokens are sorted by teacher). fp32 inputs stay fp32 everywhere.
+
+Per chunk, both sides' logits come from a GEMM; the softmax statistics are global over the
 tensor-parallel group (all-reduce MAX, then SUM of exp; student and teacher stacked in one collective),
 padded vocabulary columns are masked out, and the per-token value and its gradient are formed at once.
 Collectives carry O(C) numbers per chunk; nothing of size N × V exists at any time.
@@ -169,36 +175,6 @@ def _chunk_value_and_grad(
     return reduced[:, 0], u.sub_(reduced[:, 1:]).mul_(p_s)
 
 
-def _finish(
-    ctx: Any,
-    student_hidden: torch.Tensor,
-    student_head: torch.Tensor,
-    grad_hs_NH: torch.Tensor | None,
-    grad_ws_VH: torch.Tensor | None,
-    weights_N: torch.Tensor,
-    values_N: torch.Tensor,
-    group: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """End of a forward that formed its gradients: keep them for backward; return (loss, values)."""
-    # Each rank holds the part of d loss / d h from its vocabulary slice; the full gradient is the
-    # sum, as a column-parallel output layer's backward would produce. O(N · Hs) bytes, once.
-    if grad_hs_NH is not None:
-        _all_reduce(grad_hs_NH, dist.ReduceOp.SUM, group)
-    ctx.save_for_backward(
-        grad_hs_NH.to(student_hidden.dtype) if grad_hs_NH is not None else None,
-        grad_ws_VH.to(student_head.dtype) if grad_ws_VH is not None else None,
-    )
-    ctx.mark_non_differentiable(values_N)
-    return (weights_N * values_N).sum(), values_N
-
-
-def _backward(ctx: Any, grad_loss: torch.Tensor, _grad_values: torch.Tensor) -> tuple[Any, ...]:
-    """The gradients formed in forward, scaled by the incoming gradient of the loss."""
-    grad_hs, grad_ws = ctx.saved_tensors
-    scale = lambda g: None if g is None else g * grad_loss  # noqa: E731
-    return scale(grad_hs), scale(grad_ws), None
-
-
 def _valid_columns(
     vocab_start: int, local_vocab: int, vocab_size: int, device: torch.device
 ) -> torch.Tensor | None:
@@ -208,63 +184,216 @@ def _valid_columns(
     return torch.arange(vocab_start, vocab_start + local_vocab, device=device) < vocab_size
 
 
-class _FusedLinearDivergence(torch.autograd.Function):
+def _native_gemms(device: torch.device) -> bool:
+    """Whether bf16/fp16 operands go into the GEMMs as they are, with an fp32 product: on CUDA, whose
+    tensor cores run them ~14x faster than fp32 and return the exact fp32 sum of exact bf16 × bf16
+    products (`out_dtype`). The CPU's bf16 GEMMs are slower than its fp32 ones: there, operands are
+    upcast, each teacher head only while its tokens are in flight."""
+    return device.type == "cuda"
+
+
+def _operand(x: torch.Tensor, native: bool) -> torch.Tensor:
+    """A GEMM operand under the precision policy: as it is where GEMMs are native or it is fp32 (fp32
+    inputs stay fp32 everywhere), else an fp32 copy."""
+    return x if native or x.dtype == torch.float32 else x.float()
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (fp32) = a @ b: fp32 operands, or bf16/fp16 ones of one dtype on CUDA with an fp32 product.
+    Operands of two dtypes (an fp32 student over a bf16 store) meet in fp32."""
+    if a.dtype != b.dtype:
+        a, b = a.float(), b.float()
+    if a.dtype == torch.float32:
+        return torch.mm(a, b, out=out)
+    return torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+
+def _mm_add(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor) -> None:
+    """acc (fp32) += a @ b, for operands as `_mm` takes them."""
+    if a.dtype != b.dtype:
+        a, b = a.float(), b.float()
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    else:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+
+
+def _split(grad: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """An fp32 gradient as GEMM operands of `dtype`: itself when that is fp32, else hi + lo, its
+    rounding to `dtype` and the rounding of what that left out. Rounded once, as autograd's bf16
+    backward of a linear layer does, it would carry a 2⁻⁸ relative error into both gradients; the two
+    terms carry 2⁻¹⁶, for one more GEMM each on tensor cores (still ~7x faster than fp32 GEMMs)."""
+    if dtype == torch.float32:
+        return (grad,)
+    hi = grad.to(dtype)
+    return hi, grad.sub_(hi).to(dtype)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything one call's chunk loop needs, fixed before it starts.
+
+    `order` lists token positions in the order the chunks take them: grouped by teacher for the
+    divergences (so that each teacher's tokens form one run), None for token order.
+    """
+
+    objective: _ChunkObjective
+    order: torch.Tensor | None
+    weights: torch.Tensor  # [N] fp32, indexed by token position
+    temperature: float
+    chunk_size: int
+    valid: torch.Tensor | None
+    group: Any
+    native: bool
+
+
+class _ChunkObjective:
+    """One loss's part of the chunk loop: given the student's tempered logits of a chunk (`zs`, padded
+    columns −inf), the per-token value [C] and d value / d zs [C, V] (in place of the buffers)."""
+
+    buffer_names: tuple[str, ...] = ("zs",)
+
+    def value_and_grad(
+        self, buffers: dict[str, torch.Tensor], span: slice, plan: _Plan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class _SoftTargets(_ChunkObjective):
+    """A divergence from the teachers' distributions, each rebuilt from its hidden rows and head."""
+
+    def __init__(
+        self,
+        kind: str,
+        beta: float,
+        teacher_of: torch.Tensor,
+        rows: Mapping[int, torch.Tensor],
+        heads: Mapping[int, torch.Tensor],
+        transforms: Mapping[int, LogitTransform],
+    ) -> None:
+        self.kind, self.beta = kind, beta
+        self.teacher_of = teacher_of  # [N] teacher of each position of `order`
+        self.rows, self.heads, self.transforms = rows, heads, transforms
+        names = ["zs", "zt", "ps"] + (["pt"] if kind in _NEEDS_P_T else [])
+        self.buffer_names = tuple(names + (["work"] if kind in ("jsd", "tvd") else []))
+        # Each teacher's rows are consumed in order; `cursor` is the next unread row of each. Its head
+        # as a GEMM operand lives while its tokens are in flight: one teacher's at a time.
+        self.cursor = dict.fromkeys(rows, 0)
+        self.operand: tuple[int, torch.Tensor] | None = None
+
+    def _head(self, teacher: int, native: bool) -> torch.Tensor:
+        if self.operand is None or self.operand[0] != teacher:
+            self.operand = None  # let the previous teacher's copy go before making the next one
+            self.operand = (teacher, _operand(self.heads[teacher], native))
+        return self.operand[1]
+
+    def value_and_grad(
+        self, buffers: dict[str, torch.Tensor], span: slice, plan: _Plan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Tokens are sorted by teacher, so each teacher's tokens form one run of the chunk: one GEMM
+        # per teacher present, written straight into its rows of the teacher logits.
+        teachers, counts = torch.unique_consecutive(self.teacher_of[span], return_counts=True)
+        row = 0
+        for t, count in zip(teachers.tolist(), counts.tolist(), strict=True):
+            first = self.cursor[t]
+            self.cursor[t] += count
+            block = buffers["zt"][row : row + count]
+            hidden = _operand(self.rows[t][first : self.cursor[t]], plan.native)
+            _mm(hidden, self._head(t, plan.native).T, out=block)
+            self.transforms[t].apply_(block).div_(plan.temperature)
+            row += count
+            if self.cursor[t] == self.rows[t].shape[0]:
+                self.operand = None  # this teacher's tokens are done
+        if plan.valid is not None:
+            buffers["zt"].masked_fill_(~plan.valid, float("-inf"))
+        return _chunk_value_and_grad(buffers, plan.valid, self.kind, self.beta, plan.group)
+
+
+class _HardLabels(_ChunkObjective):
+    """−log p_s(label): the label's logit is taken on the rank that owns it (labels of no rank: 0)."""
+
+    def __init__(self, labels: torch.Tensor, vocab_start: int) -> None:
+        self.labels, self.vocab_start = labels, vocab_start
+
+    def value_and_grad(
+        self, buffers: dict[str, torch.Tensor], span: slice, plan: _Plan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        logits_CV, group = buffers["zs"], plan.group
+        local_C = self.labels[span] - self.vocab_start
+        mine_C = (local_C >= 0) & (local_C < logits_CV.shape[1])
+        at_C = torch.where(mine_C, local_C, 0)
+        label_logit_C = torch.where(mine_C, logits_CV.gather(1, at_C[:, None])[:, 0], 0.0)
+        max_C = _all_reduce(logits_CV.amax(1), dist.ReduceOp.MAX, group)
+        probs_CV = logits_CV.sub_(max_C[:, None]).exp_()
+        sums = _all_reduce(torch.stack([probs_CV.sum(1), label_logit_C], 1), dist.ReduceOp.SUM, group)
+        grad_CV = probs_CV.div_(sums[:, :1])  # softmax − one-hot(label), on the label's owner rank
+        rows_C = torch.arange(grad_CV.shape[0], device=grad_CV.device)
+        grad_CV[rows_C[mine_C], at_C[mine_C]] -= 1.0
+        return max_C + sums[:, 0].log() - sums[:, 1], grad_CV
+
+
+class _FusedLinearLoss(torch.autograd.Function):
+    """The chunk loop every loss shares: student logits per chunk, the objective's value and gradient,
+    the two gradient GEMMs. Gradients are formed in forward and scaled in backward."""
+
     @staticmethod
     def forward(
-        ctx: Any,
-        student_hidden: torch.Tensor,
-        student_head: torch.Tensor,
-        plan: dict[str, Any],
+        ctx: Any, student_hidden: torch.Tensor, student_head: torch.Tensor, plan: _Plan
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hs_NH = student_hidden.detach().float()
-        ws_VH = student_head.detach().float()
-        order, rows, heads, transforms = plan["order"], plan["rows"], plan["heads"], plan["transforms"]
-        index_sorted, weights_N, temperature = plan["index_sorted"], plan["weights"], plan["temperature"]
-        valid_V, group, chunk = plan["valid"], plan["group"], plan["chunk_size"]
-        num_tokens = hs_NH.shape[0]
-        # Only the gradients autograd will ask for are formed (none under torch.no_grad: evaluation).
-        grad_hs_NH = torch.zeros_like(hs_NH) if ctx.needs_input_grad[0] else None
-        grad_ws_VH = torch.zeros_like(ws_VH) if ctx.needs_input_grad[1] else None
-        values_N = torch.zeros(num_tokens, dtype=torch.float32, device=hs_NH.device)
-        # Each teacher's rows are consumed in token order; `cursor` is the next unread row per teacher.
-        cursor = dict.fromkeys(rows, 0)
-        width = min(chunk, num_tokens)
-        names = ["zs", "zt", "ps"] + (["pt"] if plan["kind"] in _NEEDS_P_T else [])
-        names += ["work"] if plan["kind"] in ("jsd", "tvd") else []
-        full = {name: hs_NH.new_empty(width, ws_VH.shape[0]) for name in names}
-        for start in range(0, num_tokens, chunk):
-            tokens_C = order[start : start + chunk]
-            teachers_C = index_sorted[start : start + chunk]
-            size = tokens_C.shape[0]
-            buffers = {name: buf[:size] for name, buf in full.items()}
+        hs_NH = _operand(student_hidden.detach(), plan.native)
+        ws_VH = _operand(student_head.detach(), plan.native)
+        num_tokens, local_vocab = hs_NH.shape[0], ws_VH.shape[0]
+        device = hs_NH.device
+        # Only the gradients autograd will ask for are formed (none under torch.no_grad: evaluation),
+        # and both accumulate in fp32 whatever the inputs' dtype.
+        fp32 = torch.float32
+        grad_hs_NH = torch.zeros(hs_NH.shape, dtype=fp32, device=device) if ctx.needs_input_grad[0] else None
+        grad_ws_VH = torch.zeros(ws_VH.shape, dtype=fp32, device=device) if ctx.needs_input_grad[1] else None
+        values_N = torch.zeros(num_tokens, dtype=fp32, device=device)
+        width = min(plan.chunk_size, num_tokens)
+        full = {
+            name: torch.empty(width, local_vocab, dtype=fp32, device=device)
+            for name in plan.objective.buffer_names
+        }
+        for start in range(0, num_tokens, plan.chunk_size):
+            span = slice(start, min(start + plan.chunk_size, num_tokens))
+            tokens_C = plan.order[span] if plan.order is not None else span
+            buffers = {name: buf[: span.stop - start] for name, buf in full.items()}
             hs_CH = hs_NH[tokens_C]
-            torch.mm(hs_CH, ws_VH.T, out=buffers["zs"]).div_(temperature)
-            # Tokens are sorted by teacher, so each teacher's tokens form one run of the chunk: one GEMM
-            # per teacher present, written straight into its rows of the teacher logits.
-            teachers, counts = torch.unique_consecutive(teachers_C, return_counts=True)
-            row = 0
-            for t, count in zip(teachers.tolist(), counts.tolist(), strict=True):
-                first = cursor[t]
-                cursor[t] += count
-                block = buffers["zt"][row : row + count]
-                torch.mm(rows[t][first : cursor[t]], heads[t].T, out=block)
-                transforms[t].apply_(block).div_(temperature)
-                row += count
-            if valid_V is not None:
-                buffers["zs"].masked_fill_(~valid_V, float("-inf"))
-                buffers["zt"].masked_fill_(~valid_V, float("-inf"))
-            value_C, grad_CV = _chunk_value_and_grad(buffers, valid_V, plan["kind"], plan["beta"], group)
+            _mm(hs_CH, ws_VH.T, out=buffers["zs"]).div_(plan.temperature)
+            if plan.valid is not None:
+                buffers["zs"].masked_fill_(~plan.valid, float("-inf"))
+            value_C, grad_CV = plan.objective.value_and_grad(buffers, span, plan)
             values_N[tokens_C] = value_C
             if grad_hs_NH is None and grad_ws_VH is None:
                 continue
-            grad_CV.mul_((weights_N[tokens_C] / temperature)[:, None])
+            grad_CV.mul_((plan.weights[tokens_C] / plan.temperature)[:, None])
+            parts = _split(grad_CV, ws_VH.dtype)
             if grad_hs_NH is not None:
-                grad_hs_NH[tokens_C] = grad_CV @ ws_VH
+                grad_hs_CH = torch.zeros(hs_CH.shape, dtype=fp32, device=device)
+                for part in parts:
+                    _mm_add(part, ws_VH, grad_hs_CH)
+                grad_hs_NH[tokens_C] = grad_hs_CH
             if grad_ws_VH is not None:
-                grad_ws_VH.addmm_(grad_CV.T, hs_CH)
-        return _finish(ctx, student_hidden, student_head, grad_hs_NH, grad_ws_VH, weights_N, values_N, group)
+                for part in parts:
+                    _mm_add(part.T, hs_CH, grad_ws_VH)
+        # Each rank holds the part of d loss / d h from its vocabulary slice; the full gradient is the
+        # sum, as a column-parallel output layer's backward would produce. O(N · Hs) bytes, once.
+        if grad_hs_NH is not None:
+            _all_reduce(grad_hs_NH, dist.ReduceOp.SUM, plan.group)
+        ctx.save_for_backward(
+            grad_hs_NH.to(student_hidden.dtype) if grad_hs_NH is not None else None,
+            grad_ws_VH.to(student_head.dtype) if grad_ws_VH is not None else None,
+        )
+        ctx.mark_non_differentiable(values_N)
+        return (plan.weights * values_N).sum(), values_N
 
-    backward = staticmethod(_backward)
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor, _grad_values: torch.Tensor) -> tuple[Any, ...]:
+        """The gradients formed in forward, scaled by the incoming gradient of the loss."""
+        grad_hs, grad_ws = ctx.saved_tensors
+        scale = lambda g: None if g is None else g * grad_loss  # noqa: E731
+        return scale(grad_hs), scale(grad_ws), None
 
 
 def linear_divergence(
@@ -328,67 +457,27 @@ def linear_divergence(
     )
     if weights.shape != (num_tokens,):
         raise ValueError(f"weights has shape {tuple(weights.shape)}, expected ({num_tokens},)")
-    plan = {
-        "order": order,
-        "index_sorted": teacher_index.to(device)[order],
-        "rows": {t: r.detach().float() for t, r in rows.items()},
-        "heads": {t: teacher_heads[t].detach().float() for t in rows},
-        "transforms": transforms,
-        "weights": weights.detach().float(),
-        "temperature": float(temperature),
-        "valid": valid,
-        "group": tp_group,
-        "chunk_size": int(chunk_size),
-        "kind": kind,
-        "beta": float(beta),
-    }
-    loss, per_token = _FusedLinearDivergence.apply(student_hidden, student_head, plan)
+    native = _native_gemms(device)
+    objective = _SoftTargets(
+        kind,
+        float(beta),
+        teacher_of=teacher_index.to(device)[order],
+        rows={t: r.detach() for t, r in rows.items()},
+        heads={t: teacher_heads[t].detach() for t in rows},
+        transforms=transforms,
+    )
+    plan = _Plan(
+        objective=objective,
+        order=order,
+        weights=weights.detach().float(),
+        temperature=float(temperature),
+        chunk_size=int(chunk_size),
+        valid=valid,
+        group=tp_group,
+        native=native,
+    )
+    loss, per_token = _FusedLinearLoss.apply(student_hidden, student_head, plan)
     return DivergenceOutput(loss=loss, per_token=per_token)
-
-
-class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """−log p_s(label) per token, chunked and vocabulary-parallel like the divergences; grads in forward."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, student_hidden: torch.Tensor, student_head: torch.Tensor, plan: dict[str, Any]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hs_NH, ws_VH = student_hidden.detach().float(), student_head.detach().float()
-        labels_N, weights_N, valid_V, group = plan["labels"], plan["weights"], plan["valid"], plan["group"]
-        chunk, vocab_start, temperature = plan["chunk_size"], plan["vocab_start"], plan["temperature"]
-        num_tokens, local_vocab = hs_NH.shape[0], ws_VH.shape[0]
-        grad_hs_NH = torch.zeros_like(hs_NH) if ctx.needs_input_grad[0] else None
-        grad_ws_VH = torch.zeros_like(ws_VH) if ctx.needs_input_grad[1] else None
-        values_N = torch.zeros(num_tokens, dtype=torch.float32, device=hs_NH.device)
-        logits_full = hs_NH.new_empty(min(chunk, num_tokens), local_vocab)
-        for start in range(0, num_tokens, chunk):
-            stop = min(start + chunk, num_tokens)
-            logits_CV = torch.mm(hs_NH[start:stop], ws_VH.T, out=logits_full[: stop - start]).div_(
-                temperature
-            )
-            if valid_V is not None:
-                logits_CV.masked_fill_(~valid_V, float("-inf"))
-            local_C = labels_N[start:stop] - vocab_start
-            mine_C = (local_C >= 0) & (local_C < local_vocab)
-            at_C = torch.where(mine_C, local_C, 0)
-            label_logit_C = torch.where(mine_C, logits_CV.gather(1, at_C[:, None])[:, 0], 0.0)
-            max_C = _all_reduce(logits_CV.amax(1), dist.ReduceOp.MAX, group)
-            probs_CV = logits_CV.sub_(max_C[:, None]).exp_()
-            sums = _all_reduce(torch.stack([probs_CV.sum(1), label_logit_C], 1), dist.ReduceOp.SUM, group)
-            values_N[start:stop] = max_C + sums[:, 0].log() - sums[:, 1]
-            if grad_hs_NH is None and grad_ws_VH is None:
-                continue
-            grad_CV = probs_CV.div_(sums[:, :1])  # softmax − one-hot(label), on the label's owner rank
-            rows_C = torch.arange(stop - start, device=grad_CV.device)
-            grad_CV[rows_C[mine_C], at_C[mine_C]] -= 1.0
-            grad_CV.mul_((weights_N[start:stop] / temperature)[:, None])
-            if grad_hs_NH is not None:
-                grad_hs_NH[start:stop] = grad_CV @ ws_VH
-            if grad_ws_VH is not None:
-                grad_ws_VH.addmm_(grad_CV.T, hs_NH[start:stop])
-        return _finish(ctx, student_hidden, student_head, grad_hs_NH, grad_ws_VH, weights_N, values_N, group)
-
-    backward = staticmethod(_backward)
 
 
 def linear_cross_entropy(
@@ -423,14 +512,15 @@ def linear_cross_entropy(
         torch.full((num_tokens,), 1.0 / max(num_tokens, 1), device=device) if weights is None else weights
     )
     labels = labels.to(device)
-    plan = {
-        "labels": torch.where(labels < 0, -(10**12), labels),  # owned by no rank
-        "weights": torch.where(labels < 0, 0.0, weights.detach().float()),
-        "valid": valid,
-        "group": tp_group,
-        "chunk_size": int(chunk_size),
-        "vocab_start": int(vocab_start),
-        "temperature": float(temperature),
-    }
-    loss, per_token = _FusedLinearCrossEntropy.apply(student_hidden, student_head, plan)
+    plan = _Plan(
+        objective=_HardLabels(torch.where(labels < 0, -(10**12), labels), int(vocab_start)),  # no rank's
+        order=None,
+        weights=torch.where(labels < 0, 0.0, weights.detach().float()),
+        temperature=float(temperature),
+        chunk_size=int(chunk_size),
+        valid=valid,
+        group=tp_group,
+        native=_native_gemms(device),
+    )
+    loss, per_token = _FusedLinearLoss.apply(student_hidden, student_head, plan)
     return DivergenceOutput(loss=loss, per_token=torch.where(labels < 0, 0.0, per_token))
