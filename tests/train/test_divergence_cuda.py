@@ -11,6 +11,7 @@ import torch
 
 from mopd.train.divergence import KINDS, linear_cross_entropy, linear_divergence
 from tests.tolerance import BF16_U, assert_close, sum_rtol
+from tests.train.allocations import PeakLiveBytes
 from tests.train.divergence_cases import Case, make_case
 from tests.train.test_divergence import run_fused, run_reference
 
@@ -93,3 +94,29 @@ def test_cuda_and_cpu_agree_on_one_call() -> None:
         return linear_divergence(*student, *teachers, chunk_size=chunk, weights=c.weights).per_token
 
     assert_close(values(on_cuda(case)), values(case), rtol=2 * rtol_of(case), norm=True, what="per_token")
+
+
+def test_bf16_heads_are_never_copied_on_cuda() -> None:
+    """Four bf16 teachers on CUDA: every GEMM takes the bf16 head as it is. The bound is the kernel's
+    memory model without any [V, H] copy; one fp32 copy of one teacher head alone would break it."""
+    n, vocab, hs_size, ht_size, chunk, teachers = 1024, 32768, 512, 4096, 256, 4
+    g = torch.Generator().manual_seed(3)
+    hs = torch.randn(n, hs_size, generator=g).bfloat16().to(CUDA).requires_grad_()
+    ws = (torch.randn(vocab, hs_size, generator=g) * 0.05).bfloat16().to(CUDA).requires_grad_()
+    index = (torch.arange(n) % teachers).to(CUDA)
+    hidden = {
+        t: torch.randn(n // teachers, ht_size, generator=g).bfloat16().to(CUDA) for t in range(teachers)
+    }
+    heads = {
+        t: (torch.randn(vocab, ht_size, generator=g) * 0.02).bfloat16().to(CUDA) for t in range(teachers)
+    }
+    with PeakLiveBytes() as record:
+        out = linear_divergence(hs, ws, hidden, heads, index, chunk_size=chunk)
+        out.loss.backward()
+    fp32, bf16 = 4, 2
+    student = (n + vocab) * hs_size * (fp32 + bf16)  # fp32 gradient accumulators, gradients saved in bf16
+    chunk_buffers = 3 * chunk * vocab * fp32  # reverse KL's three [C, V] buffers
+    temporaries = 2 * chunk * vocab * fp32 + chunk * (ht_size + hs_size) * fp32  # hi + lo, a [C, V] temp
+    bound = student + chunk_buffers + temporaries
+    assert bound < vocab * ht_size * fp32
+    assert record.peak <= bound, (record.peak, bound)
