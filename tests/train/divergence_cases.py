@@ -75,3 +75,27 @@ def logit_range(case: Case, temperature: float = 1.0) -> float:
         logits = rows @ c.teacher_heads[t].T
         sides.append(c.transforms[t].apply(logits) if t in c.transforms else logits)
     return max(float((z.amax(1) - z.amin(1)).max()) for z in sides if z.numel()) / temperature
+
+
+def tvd_tie_atol(case: Case, eps: float, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elementwise absolute bounds (grad_hidden [N, Hs], grad_head [V, Hs]) for what TVD's gradient may
+    legitimately differ by between two computations of it.
+
+    TVD's u = ½·sign(p_s − p_t) jumps where p_s = p_t: an entry with |p_s − p_t| ≤ eps·(p_s + p_t),
+    within the probabilities' rounding error `eps`, may take either sign in a computation that is
+    correct to that error. Flipping u at (n, v') by 1 moves d value_n / d z_s[n, v] by
+    p_s[n, v]·(δ(v, v') + p_s[n, v']) (the gradient is p_s ⊙ (u − ⟨p_s, u⟩)); those moves, weighted
+    and through the GEMMs' absolute values, bound the gradients' differences.
+    """
+    c = case.to(torch.float64)
+    hs, ws = c.student_hidden.detach(), c.student_head.detach()
+    zs = hs @ ws.T / temperature
+    zt = torch.empty_like(zs)
+    for t, rows in c.teacher_hidden.items():
+        logits = rows @ c.teacher_heads[t].T
+        transform = c.transforms.get(t)
+        zt[c.teacher_index == t] = (transform.apply(logits) if transform else logits) / temperature
+    ps, pt = zs.softmax(1), zt.softmax(1)
+    tie = ((ps - pt).abs() <= eps * (ps + pt)).double()
+    moved = ps * (tie + (tie * ps).sum(1, keepdim=True)) * (c.weights / temperature)[:, None]
+    return moved @ ws.abs(), moved.T @ hs.abs()
