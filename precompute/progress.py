@@ -1,12 +1,20 @@
-"""The precompute progress bar: rows, tokens, tokens/s and ETA, on stderr."""
+"""The precompute progress bar: rows, tokens, tokens/s and ETA, on stderr.
+
+On a terminal it is a live bar. Anywhere else (a batch job's log file, a pipe) a live bar prints
+nothing until it ends, so a plain line says the same every `LOG_EVERY_S` seconds instead.
+"""
 
 from __future__ import annotations
 
+import sys
 import time
 from types import TracebackType
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+# Seconds between progress lines when stderr is not a terminal.
+LOG_EVERY_S = 30.0
 
 
 class TokenProgress:
@@ -27,6 +35,9 @@ class TokenProgress:
             console=Console(stderr=True),
             disable=not enabled,
         )
+        self._lines = enabled and not self._progress.console.is_terminal
+        self._total_tokens = total_tokens
+        self._logged = self._start
         self._task = self._progress.add_task(
             "precompute", total=max(1, total_tokens), rows=0, total_rows=total_rows, rate=0.0
         )
@@ -39,6 +50,18 @@ class TokenProgress:
         self.tokens += tokens
         rate = self.tokens / max(1e-9, time.perf_counter() - self._start)
         self._progress.update(self._task, advance=tokens, rows=self.rows, rate=rate)
+        now = time.perf_counter()
+        if self._lines and now - self._logged >= LOG_EVERY_S:
+            self._logged = now
+            self._log_line(rate)
+
+    def _log_line(self, rate: float) -> None:
+        left = max(0, self._total_tokens - self.tokens) / max(rate, 1e-9)
+        sys.stderr.write(
+            f"precompute: {self.rows:,}/{self.total_rows:,} rows, {self.tokens:,}/{self._total_tokens:,} "
+            f"tokens, {rate:,.0f} tok/s, {left / 60:.1f} min left\n"
+        )
+        sys.stderr.flush()
 
     def __enter__(self) -> TokenProgress:
         self._progress.start()
