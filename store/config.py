@@ -81,6 +81,9 @@ class DivergenceConfig(_Section):
     temperature: float = Field(1.0, gt=0.0)
     chunk_size: int = Field(1024, gt=0)
     ce_weight: float = Field(0.0, ge=0.0)
+    # The chunk chain compiled with torch.compile: "auto" on CUDA only; a failure to compile falls
+    # back to eager with one log line.
+    compile: Literal["auto", "on", "off"] = "auto"
     # "token": mean over the step's trained tokens; "sequence": mean per row, then over the step's rows.
     level: Literal["token", "sequence"] = "token"
 

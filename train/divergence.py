@@ -28,6 +28,7 @@ to the tempered logits z = logits / T; the chain rule's 1/T is applied to the GE
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -175,6 +176,46 @@ def _chunk_value_and_grad(
     return reduced[:, 0], u.sub_(reduced[:, 1:]).mul_(p_s)
 
 
+# The chunk chain as one compiled function per loss kind and chunk shape (issue: ~15 eager passes over
+# each [C, V] buffer cost as much as the GEMMs on a GPU; compiled, one or two). A chain that fails to
+# compile is run eagerly from then on, said once. `_COMPILED` maps (kind, beta, shape, dtype, device)
+# to the compiled function, or to None where compiling failed.
+_COMPILED: dict[tuple[Any, ...], Any] = {}
+_log = logging.getLogger("mopd.divergence")
+
+
+def _compiled_chain(
+    buffers: dict[str, torch.Tensor], valid_V: torch.Tensor | None, kind: str, beta: float
+) -> Any:
+    """The compiled chain for these buffers, compiled and proven on them first; None: run eagerly.
+
+    The proof runs the compiled chain once on the buffers as they are (their values are scratch:
+    the caller fills them afterwards), so that a compiler failure surfaces before any chunk depends
+    on it, never halfway through one.
+    """
+    zs = buffers["zs"]
+    key = (kind, beta, tuple(zs.shape), zs.dtype, zs.device, valid_V is not None)
+    if key not in _COMPILED:
+        chain: Any = torch.compile(_chunk_value_and_grad, dynamic=False)
+        try:
+            for buffer in buffers.values():
+                buffer.zero_()
+            chain(buffers, valid_V, kind, beta, None)
+        except Exception as err:  # any compiler failure: the eager chain computes the same
+            _log.warning("the divergence's chunk chain did not compile (%s); running it eagerly", err)
+            chain = None
+        _COMPILED[key] = chain
+    return _COMPILED[key]
+
+
+def compile_chain(setting: str, device: torch.device) -> bool:
+    """`train.divergence.compile` for `device`: 'on', 'off', or 'auto' (on CUDA only: on the CPU the
+    GEMMs dominate a chunk and compiling costs every process tens of seconds; bench/README.md)."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"compile must be auto, on or off, not {setting!r}")
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
 def _valid_columns(
     vocab_start: int, local_vocab: int, vocab_size: int, device: torch.device
 ) -> torch.Tensor | None:
@@ -245,6 +286,7 @@ class _Plan:
     valid: torch.Tensor | None
     group: Any
     native: bool
+    compiled: bool = False  # run the chunk chain compiled (single-rank only: see `_SoftTargets`)
 
 
 class _ChunkObjective:
@@ -254,9 +296,13 @@ class _ChunkObjective:
     buffer_names: tuple[str, ...] = ("zs",)
 
     def value_and_grad(
-        self, buffers: dict[str, torch.Tensor], span: slice, plan: _Plan
+        self, full: dict[str, torch.Tensor], span: slice, plan: _Plan
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`full` holds the chunk-wide buffers; this chunk's rows are the first `span` length."""
         raise NotImplementedError
+
+    def prepare(self, full: dict[str, torch.Tensor], plan: _Plan) -> None:
+        """Called once with the chunk-wide buffers before the first chunk."""
 
 
 class _SoftTargets(_ChunkObjective):
@@ -280,6 +326,7 @@ class _SoftTargets(_ChunkObjective):
         # as a GEMM operand lives while its tokens are in flight: one teacher's at a time.
         self.cursor = dict.fromkeys(rows, 0)
         self.operand: tuple[int, torch.Tensor] | None = None
+        self.chain: Any = None  # the compiled chunk chain, when used
 
     def _head(self, teacher: int, native: bool) -> torch.Tensor:
         if self.operand is None or self.operand[0] != teacher:
@@ -288,8 +335,10 @@ class _SoftTargets(_ChunkObjective):
         return self.operand[1]
 
     def value_and_grad(
-        self, buffers: dict[str, torch.Tensor], span: slice, plan: _Plan
+        self, full: dict[str, torch.Tensor], span: slice, plan: _Plan
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        size = span.stop - span.start
+        buffers = {name: buf[:size] for name, buf in full.items()}
         # Tokens are sorted by teacher, so each teacher's tokens form one run of the chunk: one GEMM
         # per teacher present, written straight into its rows of the teacher logits.
         teachers, counts = torch.unique_consecutive(self.teacher_of[span], return_counts=True)
@@ -306,7 +355,18 @@ class _SoftTargets(_ChunkObjective):
                 self.operand = None  # this teacher's tokens are done
         if plan.valid is not None:
             buffers["zt"].masked_fill_(~plan.valid, float("-inf"))
-        return _chunk_value_and_grad(buffers, plan.valid, self.kind, self.beta, plan.group)
+        chain = self.chain
+        if chain is None:
+            return _chunk_value_and_grad(buffers, plan.valid, self.kind, self.beta, plan.group)
+        # One shape, one compilation: the last, shorter chunk runs full width too (its spare rows hold
+        # an earlier chunk's finite logits) and its own rows are taken from the result.
+        value, grad = chain(full, plan.valid, self.kind, self.beta, None)
+        return value[:size], grad[:size]
+
+    def prepare(self, full: dict[str, torch.Tensor], plan: _Plan) -> None:
+        # Compiled only without tensor parallelism: the chain's collectives stay eager elsewhere.
+        use = plan.compiled and plan.group is None
+        self.chain = _compiled_chain(full, plan.valid, self.kind, self.beta) if use else None
 
 
 class _HardLabels(_ChunkObjective):
@@ -316,9 +376,9 @@ class _HardLabels(_ChunkObjective):
         self.labels, self.vocab_start = labels, vocab_start
 
     def value_and_grad(
-        self, buffers: dict[str, torch.Tensor], span: slice, plan: _Plan
+        self, full: dict[str, torch.Tensor], span: slice, plan: _Plan
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logits_CV, group = buffers["zs"], plan.group
+        logits_CV, group = full["zs"][: span.stop - span.start], plan.group
         local_C = self.labels[span] - self.vocab_start
         mine_C = (local_C >= 0) & (local_C < logits_CV.shape[1])
         at_C = torch.where(mine_C, local_C, 0)
@@ -355,15 +415,16 @@ class _FusedLinearLoss(torch.autograd.Function):
             name: torch.empty(width, local_vocab, dtype=fp32, device=device)
             for name in plan.objective.buffer_names
         }
+        plan.objective.prepare(full, plan)
         for start in range(0, num_tokens, plan.chunk_size):
             span = slice(start, min(start + plan.chunk_size, num_tokens))
             tokens_C = plan.order[span] if plan.order is not None else span
-            buffers = {name: buf[: span.stop - start] for name, buf in full.items()}
+            zs = full["zs"][: span.stop - start]
             hs_CH = hs_NH[tokens_C]
-            _mm(hs_CH, ws_VH.T, out=buffers["zs"]).div_(plan.temperature)
+            _mm(hs_CH, ws_VH.T, out=zs).div_(plan.temperature)
             if plan.valid is not None:
-                buffers["zs"].masked_fill_(~plan.valid, float("-inf"))
-            value_C, grad_CV = plan.objective.value_and_grad(buffers, span, plan)
+                zs.masked_fill_(~plan.valid, float("-inf"))
+            value_C, grad_CV = plan.objective.value_and_grad(full, span, plan)
             values_N[tokens_C] = value_C
             if grad_hs_NH is None and grad_ws_VH is None:
                 continue
@@ -412,6 +473,7 @@ def linear_divergence(
     vocab_start: int = 0,
     vocab_size: int | None = None,
     teacher_transforms: Mapping[int, LogitTransform] | None = None,
+    compiled: bool = False,
 ) -> DivergenceOutput:
     """Σ_n weights_n · D(p_student,n ‖ p_teacher,n) without materialising any [N, V] tensor.
 
@@ -431,6 +493,8 @@ def linear_divergence(
         vocab_start: first global vocabulary id of this rank's slice.
         vocab_size: global vocabulary size; columns at or past it are padding and excluded.
         teacher_transforms: {teacher: LogitTransform} logit scale / softcap per teacher.
+        compiled: run each chunk's statistics, value and gradient as one compiled function (see
+            `compile_chain`); without a tensor-parallel group only, eager otherwise.
 
     Returns:
         DivergenceOutput(loss with gradients to student_hidden and student_head, per_token values [N]).
@@ -475,6 +539,7 @@ def linear_divergence(
         valid=valid,
         group=tp_group,
         native=native,
+        compiled=compiled,
     )
     loss, per_token = _FusedLinearLoss.apply(student_hidden, student_head, plan)
     return DivergenceOutput(loss=loss, per_token=per_token)

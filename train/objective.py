@@ -16,7 +16,7 @@ from mopd.store.config import DivergenceConfig
 from mopd.store.errors import ConfigError
 from mopd.store.manifest import Manifest
 from mopd.train.distributed import DataParallel
-from mopd.train.divergence import linear_cross_entropy, linear_divergence
+from mopd.train.divergence import compile_chain, linear_cross_entropy, linear_divergence
 from mopd.train.heads import TeacherHeads
 from mopd.train.loader import MicroBatch
 from mopd.train.student import TrainStudent
@@ -81,6 +81,7 @@ class Objective:
             temperature=cfg.temperature,
             chunk_size=cfg.chunk_size,
             teacher_transforms=self.heads.transforms,
+            compiled=compile_chain(cfg.compile, hidden_NH.device),
             **self.shard,
         )
         if self.heads.all_on_device:

@@ -26,6 +26,7 @@ def run_fused(
     chunk: int = 1024,
     beta: float = 0.5,
     hidden_as_tensor: bool = False,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     hs = case.student_hidden.detach().clone().requires_grad_()
     ws = case.student_head.detach().clone().requires_grad_()
@@ -48,6 +49,7 @@ def run_fused(
         weights=case.weights,
         chunk_size=chunk,
         teacher_transforms=case.transforms,
+        compiled=compiled,
     )
     out.loss.backward()
     assert hs.grad is not None and ws.grad is not None

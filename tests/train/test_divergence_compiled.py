@@ -1,0 +1,65 @@
+"""The compiled chunk chain computes what the eager one does, and a compiler failure costs nothing."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from mopd.train import divergence
+from mopd.train.divergence import compile_chain
+from tests.tolerance import LAMBDA, U, assert_close
+from tests.train.divergence_cases import make_case
+from tests.train.test_divergence import run_fused
+
+# 50 tokens in chunks of 16: three full chunks and a short last one, which the compiled chain runs at
+# full width.
+N, VOCAB, CHUNK = 50, 97, 16
+
+
+@pytest.mark.parametrize("kind", ["reverse_kl", "jsd"])
+def test_the_compiled_chain_matches_the_eager_one(kind: str) -> None:
+    divergence._COMPILED.clear()
+    case = make_case(num_tokens=N, vocab=VOCAB, teachers=3, softcap=True, seed=2)
+    eager = run_fused(case, kind=kind, chunk=CHUNK, temperature=0.8)
+    compiled = run_fused(case, kind=kind, chunk=CHUNK, temperature=0.8, compiled=True)
+    assert [k for k, chain in divergence._COMPILED.items() if chain is not None]  # it did compile
+    # The same operations, their reductions over the V columns possibly fused and reordered: each side
+    # carries its own order's rounding, λ·√V·U per sum (relative to the sum of magnitudes).
+    rtol = 2 * LAMBDA * math.sqrt(VOCAB) * U
+    for name, c, e in zip(("loss", "per_token", "grad_hidden", "grad_head"), compiled, eager, strict=True):
+        assert_close(c, e, rtol=rtol, norm=True, what=name)
+
+
+def test_a_chain_that_does_not_compile_runs_eagerly_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    divergence._COMPILED.clear()
+
+    def broken(*_args: object, **_kwargs: object) -> object:
+        def chain(*_a: object, **_k: object) -> object:
+            raise RuntimeError("no compiler here")
+
+        return chain
+
+    monkeypatch.setattr(torch, "compile", broken)
+    case = make_case(num_tokens=N, vocab=VOCAB, teachers=3, seed=4)
+    with caplog.at_level(logging.WARNING, logger="mopd.divergence"):
+        fallen = run_fused(case, kind="reverse_kl", chunk=CHUNK, compiled=True)
+        again = run_fused(case, kind="reverse_kl", chunk=CHUNK, compiled=True)
+    eager = run_fused(case, kind="reverse_kl", chunk=CHUNK)
+    lines = [r.getMessage() for r in caplog.records if r.name == "mopd.divergence"]
+    assert len(lines) == 1 and "no compiler here" in lines[0] and "eagerly" in lines[0]
+    for got in (fallen, again):
+        for g, e in zip(got, eager, strict=True):
+            assert torch.equal(g, e)  # the eager chain itself, bit for bit
+
+
+def test_compile_setting() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [compile_chain(s, cpu) for s in ("auto", "on", "off")] == [False, True, False]
+    assert [compile_chain(s, cuda) for s in ("auto", "on", "off")] == [True, True, False]
+    with pytest.raises(ValueError, match="auto, on or off"):
+        compile_chain("yes", cpu)
