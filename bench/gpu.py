@@ -106,6 +106,11 @@ def kernel_at(meter: Meter, n: int, vocab: int, hidden: int, chunk: int, repeats
         out.loss.backward()
         return out.per_token
 
+    def mopd_compiled() -> torch.Tensor:
+        out = linear_divergence(hs, ws, ht, {0: wt}, None, chunk_size=chunk, compiled=True)
+        out.loss.backward()
+        return out.per_token
+
     def eager() -> torch.Tensor:
         logp_s = (hs @ ws.T).float().log_softmax(-1)  # bf16 logits, fp32 softmax
         with torch.no_grad():
@@ -114,7 +119,11 @@ def kernel_at(meter: Meter, n: int, vocab: int, hidden: int, chunk: int, repeats
         value.mean().backward()
         return value.detach()
 
-    variants: dict[str, Callable[[], torch.Tensor]] = {"mopd": mopd, "eager bf16": eager}
+    variants: dict[str, Callable[[], torch.Tensor]] = {
+        "mopd": mopd,
+        "mopd compiled chain": mopd_compiled,
+        "eager bf16": eager,
+    }
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
 
@@ -261,9 +270,11 @@ def step_section(
     stored = (torch.randn(tokens, teacher_hidden, device=device, generator=g) * 0.5).to(dtype)
     head = (torch.randn(vocab, teacher_hidden, device=device, generator=g) * 0.02).to(dtype)
 
-    def distil() -> None:
+    def distil(compiled: bool = False) -> None:
         hidden = model.model(input_ids=input_ids).last_hidden_state.reshape(tokens, -1)
-        out = linear_divergence(hidden, model.lm_head.weight, stored, {0: head}, None, chunk_size=chunk)
+        out = linear_divergence(
+            hidden, model.lm_head.weight, stored, {0: head}, None, chunk_size=chunk, compiled=compiled
+        )
         out.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -274,7 +285,12 @@ def step_section(
         optimizer.zero_grad(set_to_none=True)
 
     results: dict[str, Any] = {"params": params, "tokens": tokens}
-    for name, fn in {"fused distillation step": distil, "hard-label step (transformers)": hard_label}.items():
+    steps: dict[str, Callable[[], None]] = {
+        "fused distillation step": distil,
+        "fused distillation step, compiled chain": lambda: distil(compiled=True),
+        "hard-label step (transformers)": hard_label,
+    }
+    for name, fn in steps.items():
         timing = meter.measure(fn, repeats)
         results[name] = {**timing, "tokens_per_s": tokens / timing["seconds"]}
         print(f"  step {name}: {results[name]}", file=sys.stderr)

@@ -138,3 +138,21 @@ def test_bf16_heads_are_never_copied_on_cuda() -> None:
     bound = student + chunk_buffers + temporaries
     assert bound < vocab * ht_size * fp32
     assert record.peak <= bound, (record.peak, bound)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_chain_on_cuda_matches_the_eager_one(kind: str) -> None:
+    """bf16 inputs, a wide vocabulary over several chunks and a short last one."""
+    n, vocab, width, chunk = SHAPES[1]
+    case = on_cuda(
+        make_case(num_tokens=n, vocab=vocab, student_size=width, teachers=3, seed=8), torch.bfloat16
+    )
+    eager = run_fused(case, kind=kind, chunk=chunk)
+    compiled = run_fused(case, kind=kind, chunk=chunk, compiled=True)
+    # The same operations with their reductions over V fused and reordered: λ·√V·U per sum, each side;
+    # the gradients are then rounded to bf16 alike, and may round to neighbours (one BF16_U).
+    rtol = 2 * LAMBDA * math.sqrt(vocab) * U
+    for name, c, e in zip(("loss", "per_token"), compiled[:2], eager[:2], strict=True):
+        assert_close(c, e, rtol=rtol, norm=True, what=name)
+    for name, c, e in zip(("grad_hidden", "grad_head"), compiled[2:], eager[2:], strict=True):
+        assert_close(c, e, rtol=BF16_U + rtol, norm=True, rigorous=True, what=name)
