@@ -150,11 +150,11 @@ def test_compiled_chain_on_cuda_matches_the_eager_one(kind: str) -> None:
     eager = run_fused(case, kind=kind, chunk=chunk)
     compiled = run_fused(case, kind=kind, chunk=chunk, compiled=True)
     # The same operations with their reductions over V fused and reordered: λ·√V·U per sum, each side;
-    # the gradients are then rounded to bf16 alike, and may round to neighbours (one BF16_U); TVD's may
-    # differ at ties (`tie_atols`).
+    # the gradients are then rounded to bf16 on each side: two nearby values may round to neighbours, one
+    # ulp apart (2·BF16_U of the value); TVD's may also differ at ties (`tie_atols`).
     rtol = 2 * LAMBDA * math.sqrt(vocab) * U
     for name, c, e in zip(("loss", "per_token"), compiled[:2], eager[:2], strict=True):
         assert_close(c, e, rtol=rtol, norm=True, what=name)
     ties = tie_atols(case.to(torch.bfloat16, device="cpu"), kind)
     for name, c, e, atol in zip(("grad_hidden", "grad_head"), compiled[2:], eager[2:], ties, strict=True):
-        assert_close(c, e, rtol=BF16_U + rtol, atol=atol, norm=True, rigorous=True, what=name)
+        assert_close(c, e, rtol=2 * BF16_U + rtol, atol=atol, norm=True, rigorous=True, what=name)
