@@ -184,28 +184,28 @@ _COMPILED: dict[tuple[Any, ...], Any] = {}
 _log = logging.getLogger("mopd.divergence")
 
 
-def _compiled_chain(
-    buffers: dict[str, torch.Tensor], valid_V: torch.Tensor | None, kind: str, beta: float
-) -> Any:
-    """The compiled chain for these buffers, compiled and proven on them first; None: run eagerly.
+def _compiled(chain: Any, key: tuple[Any, ...], scratch: list[torch.Tensor], *args: Any) -> Any:
+    """`chain` compiled for calls like `chain(*args)`, proven on them first; None: run it eagerly.
 
-    The proof runs the compiled chain once on the buffers as they are (their values are scratch:
-    the caller fills them afterwards), so that a compiler failure surfaces before any chunk depends
-    on it, never halfway through one.
+    The proof runs the compiled chain once on `args` after zeroing `scratch` (the buffers the chain
+    works in place on; the caller fills them afterwards), so that a compiler failure surfaces before any
+    chunk depends on it, never halfway through one.
     """
-    zs = buffers["zs"]
-    key = (kind, beta, tuple(zs.shape), zs.dtype, zs.device, valid_V is not None)
     if key not in _COMPILED:
-        chain: Any = torch.compile(_chunk_value_and_grad, dynamic=False)
+        compiled: Any = torch.compile(chain, dynamic=False)
         try:
-            for buffer in buffers.values():
+            for buffer in scratch:
                 buffer.zero_()
-            chain(buffers, valid_V, kind, beta, None)
+            compiled(*args)
         except Exception as err:  # any compiler failure: the eager chain computes the same
             _log.warning("the divergence's chunk chain did not compile (%s); running it eagerly", err)
-            chain = None
-        _COMPILED[key] = chain
+            compiled = None
+        _COMPILED[key] = compiled
     return _COMPILED[key]
+
+
+def _shape_key(buffer: torch.Tensor) -> tuple[Any, ...]:
+    return tuple(buffer.shape), buffer.dtype, buffer.device
 
 
 def compile_chain(setting: str, device: torch.device) -> bool:
@@ -366,7 +366,9 @@ class _SoftTargets(_ChunkObjective):
     def prepare(self, full: dict[str, torch.Tensor], plan: _Plan) -> None:
         # Compiled only without tensor parallelism: the chain's collectives stay eager elsewhere.
         use = plan.compiled and plan.group is None
-        self.chain = _compiled_chain(full, plan.valid, self.kind, self.beta) if use else None
+        args = (full, plan.valid, self.kind, self.beta, None)
+        key = (self.kind, self.beta, *_shape_key(full["zs"]), plan.valid is not None)
+        self.chain = _compiled(_chunk_value_and_grad, key, list(full.values()), *args) if use else None
 
 
 class _HardLabels(_ChunkObjective):
@@ -374,22 +376,43 @@ class _HardLabels(_ChunkObjective):
 
     def __init__(self, labels: torch.Tensor, vocab_start: int) -> None:
         self.labels, self.vocab_start = labels, vocab_start
+        self.chain: Any = None  # the compiled chunk chain, when used
+
+    def prepare(self, full: dict[str, torch.Tensor], plan: _Plan) -> None:
+        zs = full["zs"]
+        if plan.compiled and plan.group is None:
+            local = torch.zeros(zs.shape[0], dtype=self.labels.dtype, device=zs.device)
+            self.chain = _compiled(_label_value_and_grad, ("labels", *_shape_key(zs)), [zs], zs, local, None)
 
     def value_and_grad(
         self, full: dict[str, torch.Tensor], span: slice, plan: _Plan
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logits_CV, group = full["zs"][: span.stop - span.start], plan.group
+        size = span.stop - span.start
         local_C = self.labels[span] - self.vocab_start
-        mine_C = (local_C >= 0) & (local_C < logits_CV.shape[1])
-        at_C = torch.where(mine_C, local_C, 0)
-        label_logit_C = torch.where(mine_C, logits_CV.gather(1, at_C[:, None])[:, 0], 0.0)
-        max_C = _all_reduce(logits_CV.amax(1), dist.ReduceOp.MAX, group)
-        probs_CV = logits_CV.sub_(max_C[:, None]).exp_()
-        sums = _all_reduce(torch.stack([probs_CV.sum(1), label_logit_C], 1), dist.ReduceOp.SUM, group)
-        grad_CV = probs_CV.div_(sums[:, :1])  # softmax − one-hot(label), on the label's owner rank
-        rows_C = torch.arange(grad_CV.shape[0], device=grad_CV.device)
-        grad_CV[rows_C[mine_C], at_C[mine_C]] -= 1.0
-        return max_C + sums[:, 0].log() - sums[:, 1], grad_CV
+        if self.chain is None:
+            return _label_value_and_grad(full["zs"][:size], local_C, plan.group)
+        # Full width, as `_SoftTargets` does; the spare rows' labels are owned by no rank.
+        width = full["zs"].shape[0]
+        padded = torch.cat([local_C, local_C.new_full((width - size,), -1)]) if size < width else local_C
+        value, grad = self.chain(full["zs"], padded, None)
+        return value[:size], grad[:size]
+
+
+def _label_value_and_grad(
+    logits_CV: torch.Tensor, local_C: torch.Tensor, group: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """−log p_s(label) [C] and its gradient [C, V] from tempered logits, in place; `local_C` holds the
+    labels as this rank's column numbers (outside [0, V_local): another rank's)."""
+    mine_C = (local_C >= 0) & (local_C < logits_CV.shape[1])
+    at_C = torch.where(mine_C, local_C, 0)
+    label_logit_C = torch.where(mine_C, logits_CV.gather(1, at_C[:, None])[:, 0], 0.0)
+    max_C = _all_reduce(logits_CV.amax(1), dist.ReduceOp.MAX, group)
+    probs_CV = logits_CV.sub_(max_C[:, None]).exp_()
+    sums = _all_reduce(torch.stack([probs_CV.sum(1), label_logit_C], 1), dist.ReduceOp.SUM, group)
+    grad_CV = probs_CV.div_(sums[:, :1])  # softmax − one-hot(label), on the label's owner rank
+    # The owner's label column loses 1: a scatter of −mine (0 elsewhere), without data-dependent shapes.
+    grad_CV.scatter_add_(1, at_C[:, None], -mine_C.to(grad_CV.dtype)[:, None])
+    return max_C + sums[:, 0].log() - sums[:, 1], grad_CV
 
 
 class _FusedLinearLoss(torch.autograd.Function):
@@ -556,13 +579,15 @@ def linear_cross_entropy(
     tp_group: Any = None,
     vocab_start: int = 0,
     vocab_size: int | None = None,
+    compiled: bool = False,
 ) -> DivergenceOutput:
     """Σ_n weights_n · (−log p_s(labels_n)), the hard-label loss, without any [N, V] tensor.
 
     Args:
         student_hidden: [N, Hs]; student_head: [V_local, Hs] this rank's shard.
         labels: [N] global vocabulary ids; a negative label (e.g. −100) contributes zero.
-        weights, temperature, chunk_size, tp_group, vocab_start, vocab_size: as `linear_divergence`.
+        weights, temperature, chunk_size, tp_group, vocab_start, vocab_size, compiled: as
+            `linear_divergence`.
     """
     num_tokens, local_vocab = student_hidden.shape[0], student_head.shape[0]
     if labels.shape != (num_tokens,):
@@ -586,6 +611,7 @@ def linear_cross_entropy(
         valid=valid,
         group=tp_group,
         native=_native_gemms(device),
+        compiled=compiled,
     )
     loss, per_token = _FusedLinearLoss.apply(student_hidden, student_head, plan)
     return DivergenceOutput(loss=loss, per_token=torch.where(labels < 0, 0.0, per_token))

@@ -75,13 +75,14 @@ class Objective:
         cfg = self.cfg
         head = head[: self.local_rows]
         weights_N = norm_N * self.weight_of[mb.token_teacher].to(norm_N.device)
+        compiled = compile_chain(cfg.compile, hidden_NH.device)
         options = dict(
             kind=cfg.kind,
             beta=cfg.beta,
             temperature=cfg.temperature,
             chunk_size=cfg.chunk_size,
             teacher_transforms=self.heads.transforms,
-            compiled=compile_chain(cfg.compile, hidden_NH.device),
+            compiled=compiled,
             **self.shard,
         )
         if self.heads.all_on_device:
@@ -119,6 +120,7 @@ class Objective:
                 mb.labels,
                 weights=norm_N,
                 chunk_size=cfg.chunk_size,
+                compiled=compiled,
                 **self.shard,
             )
             loss = loss + cfg.ce_weight * ce.loss

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mopd.train import divergence
-from mopd.train.divergence import compile_chain
+from mopd.train.divergence import compile_chain, linear_cross_entropy
 from tests.tolerance import LAMBDA, U, assert_close
 from tests.train.divergence_cases import make_case
 from tests.train.test_divergence import run_fused
@@ -63,3 +63,26 @@ def test_compile_setting() -> None:
     assert [compile_chain(s, cuda) for s in ("auto", "on", "off")] == [True, True, False]
     with pytest.raises(ValueError, match="auto, on or off"):
         compile_chain("yes", cpu)
+
+
+def test_the_compiled_hard_label_chain_matches_the_eager_one() -> None:
+    divergence._COMPILED.clear()
+    case = make_case(num_tokens=N, vocab=VOCAB, seed=6)
+    labels = torch.randint(0, VOCAB - 5, (N,), generator=torch.Generator().manual_seed(2))
+    labels[7] = -100
+
+    def run(compiled: bool) -> list[torch.Tensor]:
+        hs = case.student_hidden.detach().clone().requires_grad_()
+        ws = case.student_head.detach().clone().requires_grad_()
+        out = linear_cross_entropy(
+            hs, ws, labels, weights=case.weights, chunk_size=CHUNK, vocab_size=VOCAB - 5, compiled=compiled
+        )
+        out.loss.backward()
+        assert hs.grad is not None and ws.grad is not None
+        return [out.loss.detach(), out.per_token, hs.grad, ws.grad]
+
+    eager, compiled = run(False), run(True)
+    assert [k for k, chain in divergence._COMPILED.items() if chain is not None]
+    rtol = 2 * LAMBDA * math.sqrt(VOCAB) * U  # as above: one reduction over V, in two orders
+    for name, c, e in zip(("loss", "per_token", "grad_hidden", "grad_head"), compiled, eager, strict=True):
+        assert_close(c, e, rtol=rtol, norm=True, what=name)

@@ -158,3 +158,31 @@ def test_compiled_chain_on_cuda_matches_the_eager_one(kind: str) -> None:
     ties = tie_atols(case.to(torch.bfloat16, device="cpu"), kind)
     for name, c, e, atol in zip(("grad_hidden", "grad_head"), compiled[2:], eager[2:], ties, strict=True):
         assert_close(c, e, rtol=2 * BF16_U + rtol, atol=atol, norm=True, rigorous=True, what=name)
+
+
+def test_compiled_hard_label_chain_on_cuda_matches_the_eager_one() -> None:
+    n, vocab, width, chunk = SHAPES[1]
+    case = make_case(num_tokens=n, vocab=vocab, student_size=width, seed=4)
+    labels = torch.randint(0, vocab - 7, (n,), generator=torch.Generator().manual_seed(1)).to(CUDA)
+    labels[3] = -100
+
+    def run(compiled: bool) -> list[torch.Tensor]:
+        hs = case.student_hidden.detach().to(CUDA).requires_grad_()
+        ws = case.student_head.detach().to(CUDA).requires_grad_()
+        out = linear_cross_entropy(
+            hs,
+            ws,
+            labels,
+            weights=case.weights.to(CUDA),
+            chunk_size=chunk,
+            vocab_size=vocab - 7,
+            compiled=compiled,
+        )
+        out.loss.backward()
+        assert hs.grad is not None and ws.grad is not None
+        return [out.loss.detach(), out.per_token, hs.grad, ws.grad]
+
+    eager, compiled = run(False), run(True)
+    rtol = 2 * LAMBDA * math.sqrt(vocab) * U  # one reduction over V, in two orders (fp32 inputs)
+    for name, c, e in zip(("loss", "per_token", "grad_hidden", "grad_head"), compiled, eager, strict=True):
+        assert_close(c, e, rtol=rtol, norm=True, what=name)
