@@ -19,28 +19,54 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from memory import reset_peak, rss_bytes
 
 VOCAB, HIDDEN = 49152, 576
+LIGER_DEFAULT_CHUNK = 1024  # LigerFusedLinearJSDLoss's own default chunk_size
 MEM_LIMIT_GIB = 20.0
 
 
-def run_variant(variant: str, num_tokens: int, chunk: int, teachers: int) -> dict[str, float]:
+def run_variant(
+    variant: str, num_tokens: int, chunk: int, teachers: int, dtype_name: str = "float32"
+) -> dict[str, float]:
     import torch
 
+    dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
-    hs = (torch.randn(num_tokens, HIDDEN) * 0.5).requires_grad_()
-    ws = (torch.randn(VOCAB, HIDDEN) * 0.04).requires_grad_()
+    hs = (torch.randn(num_tokens, HIDDEN) * 0.5).to(dtype).requires_grad_()
+    ws = (torch.randn(VOCAB, HIDDEN) * 0.04).to(dtype).requires_grad_()
     index = torch.randint(0, teachers, (num_tokens,))
-    hidden = {t: torch.randn(int((index == t).sum()), HIDDEN) * 0.5 for t in range(teachers)}
-    heads = {t: torch.randn(VOCAB, HIDDEN) * 0.04 for t in range(teachers)}
+    hidden = {t: (torch.randn(int((index == t).sum()), HIDDEN) * 0.5).to(dtype) for t in range(teachers)}
+    heads = {t: (torch.randn(VOCAB, HIDDEN) * 0.04).to(dtype) for t in range(teachers)}
 
-    if variant == "fused":
+    if variant in ("fused", "fused-compiled"):
         from mopd.train.divergence import linear_divergence
 
+        compiled = variant == "fused-compiled"
+
         def step() -> None:
-            linear_divergence(hs, ws, hidden, heads, index, chunk_size=chunk).loss.backward()
+            out = linear_divergence(hs, ws, hidden, heads, index, chunk_size=chunk, compiled=compiled)
+            out.loss.backward()
+    elif variant == "gemms":
+        # The fused kernel's floor: its four GEMMs per chunk (student and teacher logits, both
+        # gradients), on buffers of its shapes, and nothing else.
+        assert teachers == 1 and dtype == torch.float32
+        logits = torch.empty(chunk, VOCAB)
+        teacher_logits = torch.empty(chunk, VOCAB)
+        grad_ws = torch.zeros(VOCAB, HIDDEN)
+
+        def step() -> None:
+            grad_hs = torch.empty(num_tokens, HIDDEN)
+            with torch.no_grad():
+                for start in range(0, num_tokens, chunk):
+                    rows = slice(start, start + chunk)
+                    size = hs[rows].shape[0]
+                    torch.mm(hs[rows], ws.T, out=logits[:size])
+                    torch.mm(hidden[0][rows], heads[0].T, out=teacher_logits[:size])
+                    grad_hs[rows] = logits[:size] @ ws
+                    grad_ws.addmm_(logits[:size].T, hs[rows])
     elif variant == "eager":
         from mopd.train.divergence_reference import reference_divergence
 
@@ -74,7 +100,9 @@ def run_variant(variant: str, num_tokens: int, chunk: int, teachers: int) -> dic
     return {"seconds": seconds, "peak_bytes": rss_bytes("VmHWM") - before}
 
 
-def measure(variant: str, num_tokens: int, chunk: int, teachers: int = 1) -> dict[str, float] | None:
+def measure(
+    variant: str, num_tokens: int, chunk: int, teachers: int = 1, dtype: str = "float32"
+) -> dict[str, Any]:
     cmd = [
         sys.executable,
         __file__,
@@ -83,6 +111,7 @@ def measure(variant: str, num_tokens: int, chunk: int, teachers: int = 1) -> dic
         str(num_tokens),
         str(chunk),
         str(teachers),
+        dtype,
         "--mem-limit-gib",
         str(MEM_LIMIT_GIB),
     ]
@@ -92,12 +121,67 @@ def measure(variant: str, num_tokens: int, chunk: int, teachers: int = 1) -> dic
         oom = proc.returncode in (-9, 137) or "alloc" in last.lower() or "memory" in last.lower()
         reason = f"out of memory under the {MEM_LIMIT_GIB:g} GiB cap" if oom else last
         print(f"  {variant} N={num_tokens}: failed ({reason})", file=sys.stderr)
-        return {"failed": reason}  # type: ignore[dict-item]
+        return {"failed": reason}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def ok(result: dict[str, float] | None) -> bool:
     return result is not None and "failed" not in result
+
+
+def chunk_sweep(args: argparse.Namespace) -> None:
+    """The default chunk by measurement, and the issue-19 ratios at it (one run, side by side)."""
+    from mopd.store.config import DivergenceConfig
+
+    default = DivergenceConfig().chunk_size
+    n = 8192
+    sweep = {}
+    for chunk in args.chunk_sweep:
+        sweep[str(chunk)] = {"fused": measure("fused", n, chunk), "gemms": measure("gemms", n, chunk)}
+        print(f"  chunk {chunk}: {sweep[str(chunk)]}", flush=True)
+    at_default = {
+        "fused": measure("fused", n, default),
+        "gemms": measure("gemms", n, default),
+        "fused-compiled": measure("fused-compiled", n, default),
+        "liger-compiled": measure("liger-compiled", n, LIGER_DEFAULT_CHUNK),
+    }
+    bf16 = {t: measure("fused", 4096, default, t, "bfloat16") for t in (1, 4)}
+    payload = {
+        "vocab": VOCAB,
+        "hidden": HIDDEN,
+        "tokens": n,
+        "cpus": os.cpu_count(),
+        "default_chunk": default,
+        "liger_chunk": LIGER_DEFAULT_CHUNK,
+        "sweep": sweep,
+        "at_default": at_default,
+        "bf16_n4096_by_teachers": bf16,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    gib = 2.0**30
+    print(f"fp32 fwd+bwd, N={n}, V={VOCAB}, H={HIDDEN}: fused / its GEMMs alone, by chunk")
+    for chunk, row in sweep.items():
+        f, g = row["fused"], row["gemms"]
+        if ok(f) and ok(g):
+            print(
+                f"  {chunk:>5}: {f['seconds']:7.2f} s / {g['seconds']:7.2f} s"
+                f" = {f['seconds'] / g['seconds']:.2f}x"
+            )
+    r = at_default
+    if all(ok(v) for v in r.values()):
+        fused = r["fused"]["seconds"]
+        print(
+            f"default chunk {default}: fused {fused:.2f} s = {fused / r['gemms']['seconds']:.2f}x its GEMMs, "
+            f"{fused / r['liger-compiled']['seconds']:.2f}x Liger compiled (chunk {LIGER_DEFAULT_CHUNK}); "
+            f"compiled chain {r['fused-compiled']['seconds']:.2f} s"
+        )
+    for t, v in bf16.items():
+        if ok(v):
+            print(
+                f"bf16 inputs, N=4096, {t} teacher(s): peak {v['peak_bytes'] / gib:.2f} GiB above the inputs"
+            )
+    print(f"wrote {args.out}")
 
 
 def main() -> None:
@@ -110,7 +194,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "divergence.json")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the 1-vs-4-teacher comparison")
     parser.add_argument("--mem-limit-gib", type=float, default=20.0, help="per-variant memory cap")
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--chunk-sweep",
+        type=int,
+        nargs="*",
+        help="instead: fused and its GEMMs alone at N=8192 over these chunks, Liger and the compiled "
+        "chain at their defaults, and bf16 inputs with four teachers at N=4096",
+    )
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     global MEM_LIMIT_GIB
     MEM_LIMIT_GIB = args.mem_limit_gib
@@ -118,8 +209,11 @@ def main() -> None:
         # An address-space cap turns running out of memory into an error instead of the OOM killer.
         limit = int(args.mem_limit_gib * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-        variant, n, chunk, teachers = args.child
-        print(json.dumps(run_variant(variant, int(n), int(chunk), int(teachers))))
+        variant, n, chunk, teachers, dtype = args.child
+        print(json.dumps(run_variant(variant, int(n), int(chunk), int(teachers), dtype)))
+        return
+    if args.chunk_sweep:
+        chunk_sweep(args)
         return
 
     results: dict[str, dict[str, dict[str, float] | None]] = {}
