@@ -7,8 +7,8 @@ Settings that may change on resume (they touch neither the data order nor the ob
 - `train.steps` (the learning-rate schedule is recomputed for the new total),
 - `train.checkpoint.every`, `train.checkpoint.keep`, `train.output_dir`,
 - `train.eval.every`, `train.device`, `train.lm_head_lifecycle`,
-- `train.divergence.chunk_size` and `train.parallel.sequence_parallel` (memory: they change only the
-  order in which the same sums are taken),
+- `train.divergence.chunk_size`, `train.divergence.compile` and `train.parallel.sequence_parallel`
+  (memory and speed: they change only the order in which the same sums are taken),
 - `train.student` and `train.init_from` (a resumed run's weights come from its checkpoint).
 
 Continuing on other data or with another objective is a new run started from the checkpoint with
@@ -34,6 +34,7 @@ RESUMABLE = frozenset(
         "train.device",
         "train.lm_head_lifecycle",
         "train.divergence.chunk_size",
+        "train.divergence.compile",
         "train.parallel.sequence_parallel",
         "train.student",
         "train.init_from",
