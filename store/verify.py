@@ -159,16 +159,34 @@ def _folder_checks(
     """Blocks of task folders checked against their records and their arrays' headers against the
     layout, in manifest order: each block's problems and the files a full check hashes."""
     artifacts = list(manifest.artifacts())
-    blocks = [artifacts[i : i + per_block] for i in range(0, len(artifacts), per_block)]
-    if len(artifacts) < parallel_from or len(blocks) <= 1:
-        yield from (_check_block(root, manifest, block) for block in blocks)
+    spans = [(i, min(i + per_block, len(artifacts))) for i in range(0, len(artifacts), per_block)]
+    if len(artifacts) < parallel_from or len(spans) <= 1:
+        yield from (_check_block(root, manifest, artifacts[start:stop]) for start, stop in spans)
         return
-    # fork: the children need nothing but these arguments, and start in milliseconds. A caller with
-    # threads running (a lock one of them holds would stay held in the child) gets forkserver's clean
-    # children instead, at the cost of their start.
+    # fork: the children need nothing but the store and its manifest, inherited as they are, and start
+    # in milliseconds. A caller with threads running (a lock one of them holds would stay held in the
+    # child) gets forkserver's clean children instead, each sent the manifest once. Blocks then name
+    # their folders by position: a 10k-shard manifest is megabytes, not to be sent per block.
     context = multiprocessing.get_context("fork" if threading.active_count() == 1 else "forkserver")
-    with ProcessPoolExecutor(max_workers=min(4, len(blocks)), mp_context=context) as pool:
-        yield from pool.map(_check_block, [root] * len(blocks), [manifest] * len(blocks), blocks)
+    with ProcessPoolExecutor(
+        max_workers=4, mp_context=context, initializer=_hold, initargs=(root, manifest)
+    ) as pool:
+        yield from pool.map(_check_span, spans)
+
+
+# A folder-check worker's store and manifest (`_hold`), and the manifest's task folders.
+_HELD: tuple[Path, Manifest, list[ArtifactRecord]] | None = None
+
+
+def _hold(root: Path, manifest: Manifest) -> None:
+    global _HELD
+    _HELD = (root, manifest, list(manifest.artifacts()))
+
+
+def _check_span(span: tuple[int, int]) -> tuple[list[str], list[tuple[Path, str, str]]]:
+    assert _HELD is not None, "a folder-check worker starts with _hold"
+    root, manifest, artifacts = _HELD
+    return _check_block(root, manifest, artifacts[span[0] : span[1]])
 
 
 def _check_block(
