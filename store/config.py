@@ -8,7 +8,7 @@ holds the config file, so a config means the same thing from any working directo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -79,7 +79,8 @@ class DivergenceConfig(_Section):
     kind: Literal["reverse_kl", "forward_kl", "jsd", "cross_entropy", "entropy", "tvd"] = "reverse_kl"
     beta: float = Field(0.5, ge=0.0, le=1.0)
     temperature: float = Field(1.0, gt=0.0)
-    chunk_size: int = Field(1024, gt=0)
+    # Tokens per kernel chunk; "auto": the measured default of the device (train/divergence.py).
+    chunk_size: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
     ce_weight: float = Field(0.0, ge=0.0)
     # The chunk chain compiled with torch.compile: "auto" on CUDA only; a failure to compile falls
     # back to eager with one log line.

@@ -208,6 +208,22 @@ def _shape_key(buffer: torch.Tensor) -> tuple[Any, ...]:
     return tuple(buffer.shape), buffer.dtype, buffer.device
 
 
+# Tokens per chunk for `train.divergence.chunk_size: auto`: the smallest chunk within 10% of the best
+# time measured (bench/README.md, "Default chunk"). CPU, fp32, N=8192, V=49152, H=576, fwd+bwd:
+# 1024 takes 11.8 s, 512 12.4 s, 256 14.4 s. H200, bf16, N=8192, V=128256, H=4096, compiled chain:
+# 4096 takes 0.103 s, 2048 0.109 s, 1024 0.114 s.
+AUTO_CHUNK = {"cpu": 512, "cuda": 2048}
+
+
+def chunk_size_for(setting: int | str, device: torch.device) -> int:
+    """`train.divergence.chunk_size` for `device`: a number as it is, 'auto' the device's default."""
+    if setting == "auto":
+        return AUTO_CHUNK.get(device.type, AUTO_CHUNK["cpu"])
+    if isinstance(setting, int) and setting > 0:
+        return setting
+    raise ValueError(f"chunk_size must be a positive number or auto, not {setting!r}")
+
+
 def compile_chain(setting: str, device: torch.device) -> bool:
     """`train.divergence.compile` for `device`: 'on', 'off', or 'auto' (on CUDA only: on the CPU the
     GEMMs dominate a chunk and compiling costs every process tens of seconds; bench/README.md)."""

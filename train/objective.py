@@ -16,7 +16,12 @@ from mopd.store.config import DivergenceConfig
 from mopd.store.errors import ConfigError
 from mopd.store.manifest import Manifest
 from mopd.train.distributed import DataParallel
-from mopd.train.divergence import compile_chain, linear_cross_entropy, linear_divergence
+from mopd.train.divergence import (
+    chunk_size_for,
+    compile_chain,
+    linear_cross_entropy,
+    linear_divergence,
+)
 from mopd.train.heads import TeacherHeads
 from mopd.train.loader import MicroBatch
 from mopd.train.student import TrainStudent
@@ -76,11 +81,12 @@ class Objective:
         head = head[: self.local_rows]
         weights_N = norm_N * self.weight_of[mb.token_teacher].to(norm_N.device)
         compiled = compile_chain(cfg.compile, hidden_NH.device)
+        chunk_size = chunk_size_for(cfg.chunk_size, hidden_NH.device)
         options = dict(
             kind=cfg.kind,
             beta=cfg.beta,
             temperature=cfg.temperature,
-            chunk_size=cfg.chunk_size,
+            chunk_size=chunk_size,
             teacher_transforms=self.heads.transforms,
             compiled=compiled,
             **self.shard,
@@ -119,7 +125,7 @@ class Objective:
                 head,
                 mb.labels,
                 weights=norm_N,
-                chunk_size=cfg.chunk_size,
+                chunk_size=chunk_size,
                 compiled=compiled,
                 **self.shard,
             )

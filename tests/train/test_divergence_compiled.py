@@ -1,4 +1,5 @@
-"""The compiled chunk chain computes what the eager one does, and a compiler failure costs nothing."""
+"""The compiled chunk chain computes what the eager one does, a compiler failure costs nothing, and
+the settings that choose the chain and the chunk."""
 
 from __future__ import annotations
 
@@ -86,3 +87,16 @@ def test_the_compiled_hard_label_chain_matches_the_eager_one() -> None:
     rtol = 2 * LAMBDA * math.sqrt(VOCAB) * U  # as above: one reduction over V, in two orders
     for name, c, e in zip(("loss", "per_token", "grad_hidden", "grad_head"), compiled, eager, strict=True):
         assert_close(c, e, rtol=rtol, norm=True, what=name)
+
+
+def test_chunk_size_setting() -> None:
+    from mopd.store.config import DivergenceConfig
+    from mopd.train.divergence import AUTO_CHUNK, chunk_size_for
+
+    assert DivergenceConfig().chunk_size == "auto"
+    assert chunk_size_for("auto", torch.device("cpu")) == AUTO_CHUNK["cpu"]
+    assert chunk_size_for("auto", torch.device("cuda")) == AUTO_CHUNK["cuda"]
+    assert chunk_size_for(96, torch.device("cuda")) == 96
+    for bad in (0, -4, "big"):
+        with pytest.raises(ValueError):
+            DivergenceConfig(chunk_size=bad)  # type: ignore[arg-type]
