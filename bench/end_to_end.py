@@ -114,7 +114,7 @@ def child(variant: str, spec: dict[str, Any], tokens_per_step: int, steps: int) 
     from transformers import AutoModelForCausalLM
 
     from mopd.store import open_store
-    from mopd.train.divergence import linear_divergence
+    from mopd.train.divergence import chunk_size_for, linear_divergence
 
     torch.manual_seed(0)
     store = open_store(spec["store"])
@@ -124,6 +124,7 @@ def child(variant: str, spec: dict[str, Any], tokens_per_step: int, steps: int) 
     if variant != "store":
         teacher = AutoModelForCausalLM.from_pretrained(spec["teacher"], torch_dtype=torch.float32).eval()
     head = store.lm_head(0) if variant == "store" else None
+    chunk = chunk_size_for("auto", torch.device("cpu"))  # what `mopd train` uses here
     plan = batches(spec["store"], tokens_per_step, steps + 1)
 
     def step(rows: np.ndarray) -> int:
@@ -132,13 +133,13 @@ def child(variant: str, spec: dict[str, Any], tokens_per_step: int, steps: int) 
         head_s = student.get_output_embeddings().weight
         if variant == "store":
             hidden_t = torch.cat(store.hiddens(rows))
-            loss = linear_divergence(hidden_s, head_s, hidden_t, {0: head}, None).loss
+            loss = linear_divergence(hidden_s, head_s, hidden_t, {0: head}, None, chunk_size=chunk).loss
         elif variant == "live-hidden":
             assert teacher is not None
             with torch.no_grad():
                 hidden_t = teacher.model(input_ids=ids, attention_mask=mask.long()).last_hidden_state[mask]
             head_t = teacher.get_output_embeddings().weight.detach()
-            loss = linear_divergence(hidden_s, head_s, hidden_t, {0: head_t}, None).loss
+            loss = linear_divergence(hidden_s, head_s, hidden_t, {0: head_t}, None, chunk_size=chunk).loss
         else:
             assert teacher is not None
             with torch.no_grad():
