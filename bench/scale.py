@@ -102,8 +102,21 @@ def store_files(store: Path) -> list[Path]:
     return [p for p in store.rglob("*") if p.is_file() and INGEST_DIR not in p.relative_to(store).parts]
 
 
+def evict(files: list[Path]) -> None:
+    """Drops these files' pages from the page cache (and nothing else: the interpreter and mopd's own
+    files stay cached, as they are for a user who has run mopd before)."""
+    os.sync()
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def raw_read_seconds(files: list[Path]) -> float:
-    drop_page_cache()
+    """One thread reading `files` start to end, from the disk."""
+    evict(files)
     start = time.perf_counter()
     for path in files:
         with path.open("rb") as f:
@@ -295,6 +308,17 @@ def metadata_verify(work: Path, shards: int) -> dict[str, float]:
     }
 
 
+def verify_full_against_raw(store: Path, files: list[Path], repeats: int = 3) -> tuple[float, float]:
+    """(seconds of `verify-manifest --full`, seconds of one thread's raw read of the same files), each
+    from a cold store (`evict`), alternated, best of `repeats`."""
+    full, raw = [], []
+    for _ in range(repeats):
+        evict(files)
+        full.append(run_measured(["verify-manifest", str(store), "--full"])[0])
+        raw.append(raw_read_seconds(files))
+    return min(full), min(raw)
+
+
 def one_size(work: Path, rows: int, tokens: int, teacher: Path, student: Path) -> dict[str, Any]:
     root = work / f"rows-{rows}"
     root.mkdir()
@@ -345,9 +369,7 @@ def one_size(work: Path, rows: int, tokens: int, teacher: Path, student: Path) -
     size = sum(p.stat().st_size for p in files)
     drop_page_cache()
     verify_wall, _, _ = run_measured(["verify-manifest", str(store)])
-    drop_page_cache()
-    full_wall, _, _ = run_measured(["verify-manifest", str(store), "--full"])
-    raw_s = raw_read_seconds(files)
+    full_wall, raw_s = verify_full_against_raw(store, files)
     old_layout = format2_copy(store, root / "format2.zarr")
     reads = read_rates(store, old_layout, 2000, 4096)
     shutil.rmtree(old_layout)
@@ -394,8 +416,25 @@ def main() -> None:
         help="inner chunk sizes to compare (nothing: skip the comparison)",
     )
     parser.add_argument("--verify-shards", type=int, default=10_000, help="0: skip that measurement")
+    parser.add_argument(
+        "--verify-store", type=Path, help="instead: `verify-manifest --full` of this store against a raw read"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale.json")
     args = parser.parse_args()
+    if args.verify_store:
+        files = store_files(args.verify_store)
+        size = sum(p.stat().st_size for p in files)
+        full_s, raw_s = verify_full_against_raw(args.verify_store, files)
+        result = {
+            "store_gb": size / 1e9,
+            "verify_full_s": full_s,
+            "verify_full_gb_s": size / 1e9 / full_s,
+            "raw_read_gb_s": size / 1e9 / raw_s,
+            "verify_full_vs_raw": raw_s / full_s,
+        }
+        print(json.dumps(result, indent=1))
+        args.out.write_text(json.dumps(result, indent=1))
+        return
     work = Path(tempfile.mkdtemp(prefix="mopd-scale-"))
     try:
         tokenizer = load_tokenizer(str(smollm2_checkpoint()))
