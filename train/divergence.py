@@ -28,8 +28,6 @@ to the tempered logits z = logits / T; the chain rule's 1/T is applied to the GE
 
 from __future__ import annotations
 
-import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +36,15 @@ import torch
 import torch.distributed as dist
 
 from mopd.store.transform import LogitTransform
+from mopd.train.chunk_chain import (
+    NEEDS_P_T,
+    all_reduce,
+    compiled_chain,
+    label_value_and_grad,
+    shape_key,
+    soft_value_and_grad,
+)
+from mopd.train.gemm import mm, mm_add, native_gemms, operand, split_gradient
 
 KINDS = ("reverse_kl", "forward_kl", "jsd", "cross_entropy", "entropy", "tvd")
 
@@ -114,124 +121,6 @@ def _check_inputs(
     return teacher_index, rows
 
 
-def _all_reduce(x: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
-    if group is not None:
-        dist.all_reduce(x, op=op, group=group)
-    return x
-
-
-_NEEDS_P_T = ("forward_kl", "jsd", "tvd")
-
-
-def _chunk_value_and_grad(
-    buffers: dict[str, torch.Tensor], valid_V: torch.Tensor | None, kind: str, beta: float, group: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token value [C] and d value / d z_s [C, V] from tempered logits, in place.
-
-    `zs` and `zt` hold the tempered logits (masked columns −inf) and become log p_s and log p_t, then
-    scratch; `ps` holds p_s. Reverse KL, cross-entropy and entropy need nothing more: 3 buffers of
-    [C, V]. Forward KL adds `pt`; JSD and TVD add `work` and a few temporaries. Row sums use torch's
-    pairwise reduction (a running dot product loses the 1e-6 agreement of KL = CE − H near values of 5).
-    """
-    zs, zt, ps = buffers["zs"], buffers["zt"], buffers["ps"]
-    stats_max = _all_reduce(torch.stack([zs.amax(1), zt.amax(1)], 1), dist.ReduceOp.MAX, group)
-    zs.sub_(stats_max[:, :1])
-    zt.sub_(stats_max[:, 1:])
-    sum_s = torch.exp(zs, out=ps).sum(1)
-    sum_t = torch.exp(zt, out=ps).sum(1)
-    sums = _all_reduce(torch.stack([sum_s, sum_t], 1), dist.ReduceOp.SUM, group)
-    logp_s = zs.sub_(sums[:, :1].log())
-    logp_t = zt.sub_(sums[:, 1:].log())
-    p_s = torch.exp(logp_s, out=ps)
-    p_t = torch.exp(logp_t, out=buffers["pt"]) if kind in _NEEDS_P_T else None
-    if valid_V is not None:  # padded columns: p = 0; make log p finite so that 0 · log p = 0
-        logp_s.masked_fill_(~valid_V, 0.0)
-        logp_t.masked_fill_(~valid_V, 0.0)
-
-    if kind in ("reverse_kl", "cross_entropy", "entropy"):
-        # u = ∂value/∂p_s overwrites one log-prob buffer; the product for the row sum uses the other.
-        if kind == "reverse_kl":
-            u, spare = torch.sub(logp_s, logp_t, out=logp_t), logp_s
-        elif kind == "cross_entropy":
-            u, spare = logp_t.neg_(), logp_s
-        else:
-            u, spare = logp_s.neg_(), logp_t
-        value = _all_reduce(torch.mul(p_s, u, out=spare).sum(1), dist.ReduceOp.SUM, group)
-        return value, u.sub_(value[:, None]).mul_(p_s)
-    assert p_t is not None
-    if kind == "forward_kl":
-        value = _all_reduce(logp_t.sub_(logp_s).mul_(p_t).sum(1), dist.ReduceOp.SUM, group)
-        return value, torch.sub(p_s, p_t, out=logp_s)
-    work = buffers["work"]
-    if kind == "jsd" and beta in (0.0, 1.0):  # m equals one side: both terms vanish
-        return torch.zeros_like(stats_max[:, 0]), work.zero_()
-    if kind == "jsd":
-        logm = torch.logaddexp(logp_t + math.log(beta), logp_s + math.log(1 - beta))
-        terms = beta * p_t * (logp_t - logm) + (1 - beta) * p_s * (logp_s - logm)
-        u = torch.sub(logp_s, logm, out=work).mul_(1 - beta)
-    else:  # tvd; sign(0) = 0, the subgradient autograd takes for |x| at 0
-        terms = 0.5 * (p_s - p_t).abs()
-        u = torch.sub(p_s, p_t, out=work).sign_().mul_(0.5)
-    reduced = _all_reduce(torch.stack([terms.sum(1), (p_s * u).sum(1)], 1), dist.ReduceOp.SUM, group)
-    return reduced[:, 0], u.sub_(reduced[:, 1:]).mul_(p_s)
-
-
-# The chunk chain as one compiled function per loss kind and chunk shape (issue: ~15 eager passes over
-# each [C, V] buffer cost as much as the GEMMs on a GPU; compiled, one or two). A chain that fails to
-# compile is run eagerly from then on, said once. `_COMPILED` maps (kind, beta, shape, dtype, device)
-# to the compiled function, or to None where compiling failed.
-_COMPILED: dict[tuple[Any, ...], Any] = {}
-_log = logging.getLogger("mopd.divergence")
-
-
-def _compiled(chain: Any, key: tuple[Any, ...], scratch: list[torch.Tensor], *args: Any) -> Any:
-    """`chain` compiled for calls like `chain(*args)`, proven on them first; None: run it eagerly.
-
-    The proof runs the compiled chain once on `args` after zeroing `scratch` (the buffers the chain
-    works in place on; the caller fills them afterwards), so that a compiler failure surfaces before any
-    chunk depends on it, never halfway through one.
-    """
-    if key not in _COMPILED:
-        compiled: Any = torch.compile(chain, dynamic=False)
-        try:
-            for buffer in scratch:
-                buffer.zero_()
-            compiled(*args)
-        except Exception as err:  # any compiler failure: the eager chain computes the same
-            _log.warning("the divergence's chunk chain did not compile (%s); running it eagerly", err)
-            compiled = None
-        _COMPILED[key] = compiled
-    return _COMPILED[key]
-
-
-def _shape_key(buffer: torch.Tensor) -> tuple[Any, ...]:
-    return tuple(buffer.shape), buffer.dtype, buffer.device
-
-
-# Tokens per chunk for `train.divergence.chunk_size: auto`: the smallest chunk within 10% of the best
-# time measured (bench/README.md, "Default chunk"). CPU, fp32, N=8192, V=49152, H=576, fwd+bwd:
-# 1024 takes 11.8 s, 512 12.4 s, 256 14.4 s. H200, bf16, N=8192, V=128256, H=4096, compiled chain:
-# 4096 takes 0.103 s, 2048 0.109 s, 1024 0.114 s.
-AUTO_CHUNK = {"cpu": 512, "cuda": 2048}
-
-
-def chunk_size_for(setting: int | str, device: torch.device) -> int:
-    """`train.divergence.chunk_size` for `device`: a number as it is, 'auto' the device's default."""
-    if setting == "auto":
-        return AUTO_CHUNK.get(device.type, AUTO_CHUNK["cpu"])
-    if isinstance(setting, int) and setting > 0:
-        return setting
-    raise ValueError(f"chunk_size must be a positive number or auto, not {setting!r}")
-
-
-def compile_chain(setting: str, device: torch.device) -> bool:
-    """`train.divergence.compile` for `device`: 'on', 'off', or 'auto' (on CUDA only: on the CPU the
-    GEMMs dominate a chunk and compiling costs every process tens of seconds; bench/README.md)."""
-    if setting not in ("auto", "on", "off"):
-        raise ValueError(f"compile must be auto, on or off, not {setting!r}")
-    return setting == "on" or (setting == "auto" and device.type == "cuda")
-
-
 def _valid_columns(
     vocab_start: int, local_vocab: int, vocab_size: int, device: torch.device
 ) -> torch.Tensor | None:
@@ -239,51 +128,6 @@ def _valid_columns(
     if vocab_start + local_vocab <= vocab_size:
         return None
     return torch.arange(vocab_start, vocab_start + local_vocab, device=device) < vocab_size
-
-
-def _native_gemms(device: torch.device) -> bool:
-    """Whether bf16/fp16 operands go into the GEMMs as they are, with an fp32 product: on CUDA, whose
-    tensor cores run them ~14x faster than fp32 and return the exact fp32 sum of exact bf16 × bf16
-    products (`out_dtype`). The CPU's bf16 GEMMs are slower than its fp32 ones: there, operands are
-    upcast, each teacher head only while its tokens are in flight."""
-    return device.type == "cuda"
-
-
-def _operand(x: torch.Tensor, native: bool) -> torch.Tensor:
-    """A GEMM operand under the precision policy: as it is where GEMMs are native or it is fp32 (fp32
-    inputs stay fp32 everywhere), else an fp32 copy."""
-    return x if native or x.dtype == torch.float32 else x.float()
-
-
-def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out (fp32) = a @ b: fp32 operands, or bf16/fp16 ones of one dtype on CUDA with an fp32 product.
-    Operands of two dtypes (an fp32 student over a bf16 store) meet in fp32."""
-    if a.dtype != b.dtype:
-        a, b = a.float(), b.float()
-    if a.dtype == torch.float32:
-        return torch.mm(a, b, out=out)
-    return torch.mm(a, b, out_dtype=torch.float32, out=out)
-
-
-def _mm_add(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor) -> None:
-    """acc (fp32) += a @ b, for operands as `_mm` takes them."""
-    if a.dtype != b.dtype:
-        a, b = a.float(), b.float()
-    if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-    else:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-
-
-def _split(grad: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """An fp32 gradient as GEMM operands of `dtype`: itself when that is fp32, else hi + lo, its
-    rounding to `dtype` and the rounding of what that left out. Rounded once, as autograd's bf16
-    backward of a linear layer does, it would carry a 2⁻⁸ relative error into both gradients; the two
-    terms carry 2⁻¹⁶, for one more GEMM each on tensor cores (still ~7x faster than fp32 GEMMs)."""
-    if dtype == torch.float32:
-        return (grad,)
-    hi = grad.to(dtype)
-    return hi, grad.sub_(hi).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -336,7 +180,7 @@ class _SoftTargets(_ChunkObjective):
         self.kind, self.beta = kind, beta
         self.teacher_of = teacher_of  # [N] teacher of each position of `order`
         self.rows, self.heads, self.transforms = rows, heads, transforms
-        names = ["zs", "zt", "ps"] + (["pt"] if kind in _NEEDS_P_T else [])
+        names = ["zs", "zt", "ps"] + (["pt"] if kind in NEEDS_P_T else [])
         self.buffer_names = tuple(names + (["work"] if kind in ("jsd", "tvd") else []))
         # Each teacher's rows are consumed in order; `cursor` is the next unread row of each. Its head
         # as a GEMM operand lives while its tokens are in flight: one teacher's at a time.
@@ -347,7 +191,7 @@ class _SoftTargets(_ChunkObjective):
     def _head(self, teacher: int, native: bool) -> torch.Tensor:
         if self.operand is None or self.operand[0] != teacher:
             self.operand = None  # let the previous teacher's copy go before making the next one
-            self.operand = (teacher, _operand(self.heads[teacher], native))
+            self.operand = (teacher, operand(self.heads[teacher], native))
         return self.operand[1]
 
     def value_and_grad(
@@ -363,8 +207,8 @@ class _SoftTargets(_ChunkObjective):
             first = self.cursor[t]
             self.cursor[t] += count
             block = buffers["zt"][row : row + count]
-            hidden = _operand(self.rows[t][first : self.cursor[t]], plan.native)
-            _mm(hidden, self._head(t, plan.native).T, out=block)
+            hidden = operand(self.rows[t][first : self.cursor[t]], plan.native)
+            mm(hidden, self._head(t, plan.native).T, out=block)
             self.transforms[t].apply_(block).div_(plan.temperature)
             row += count
             if self.cursor[t] == self.rows[t].shape[0]:
@@ -373,7 +217,7 @@ class _SoftTargets(_ChunkObjective):
             buffers["zt"].masked_fill_(~plan.valid, float("-inf"))
         chain = self.chain
         if chain is None:
-            return _chunk_value_and_grad(buffers, plan.valid, self.kind, self.beta, plan.group)
+            return soft_value_and_grad(buffers, plan.valid, self.kind, self.beta, plan.group)
         # One shape, one compilation: the last, shorter chunk runs full width too (its spare rows hold
         # an earlier chunk's finite logits) and its own rows are taken from the result.
         value, grad = chain(full, plan.valid, self.kind, self.beta, None)
@@ -383,8 +227,8 @@ class _SoftTargets(_ChunkObjective):
         # Compiled only without tensor parallelism: the chain's collectives stay eager elsewhere.
         use = plan.compiled and plan.group is None
         args = (full, plan.valid, self.kind, self.beta, None)
-        key = (self.kind, self.beta, *_shape_key(full["zs"]), plan.valid is not None)
-        self.chain = _compiled(_chunk_value_and_grad, key, list(full.values()), *args) if use else None
+        key = (self.kind, self.beta, *shape_key(full["zs"]), plan.valid is not None)
+        self.chain = compiled_chain(soft_value_and_grad, key, list(full.values()), *args) if use else None
 
 
 class _HardLabels(_ChunkObjective):
@@ -398,7 +242,9 @@ class _HardLabels(_ChunkObjective):
         zs = full["zs"]
         if plan.compiled and plan.group is None:
             local = torch.zeros(zs.shape[0], dtype=self.labels.dtype, device=zs.device)
-            self.chain = _compiled(_label_value_and_grad, ("labels", *_shape_key(zs)), [zs], zs, local, None)
+            self.chain = compiled_chain(
+                label_value_and_grad, ("labels", *shape_key(zs)), [zs], zs, local, None
+            )
 
     def value_and_grad(
         self, full: dict[str, torch.Tensor], span: slice, plan: _Plan
@@ -406,29 +252,12 @@ class _HardLabels(_ChunkObjective):
         size = span.stop - span.start
         local_C = self.labels[span] - self.vocab_start
         if self.chain is None:
-            return _label_value_and_grad(full["zs"][:size], local_C, plan.group)
+            return label_value_and_grad(full["zs"][:size], local_C, plan.group)
         # Full width, as `_SoftTargets` does; the spare rows' labels are owned by no rank.
         width = full["zs"].shape[0]
         padded = torch.cat([local_C, local_C.new_full((width - size,), -1)]) if size < width else local_C
         value, grad = self.chain(full["zs"], padded, None)
         return value[:size], grad[:size]
-
-
-def _label_value_and_grad(
-    logits_CV: torch.Tensor, local_C: torch.Tensor, group: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """−log p_s(label) [C] and its gradient [C, V] from tempered logits, in place; `local_C` holds the
-    labels as this rank's column numbers (outside [0, V_local): another rank's)."""
-    mine_C = (local_C >= 0) & (local_C < logits_CV.shape[1])
-    at_C = torch.where(mine_C, local_C, 0)
-    label_logit_C = torch.where(mine_C, logits_CV.gather(1, at_C[:, None])[:, 0], 0.0)
-    max_C = _all_reduce(logits_CV.amax(1), dist.ReduceOp.MAX, group)
-    probs_CV = logits_CV.sub_(max_C[:, None]).exp_()
-    sums = _all_reduce(torch.stack([probs_CV.sum(1), label_logit_C], 1), dist.ReduceOp.SUM, group)
-    grad_CV = probs_CV.div_(sums[:, :1])  # softmax − one-hot(label), on the label's owner rank
-    # The owner's label column loses 1: a scatter of −mine (0 elsewhere), without data-dependent shapes.
-    grad_CV.scatter_add_(1, at_C[:, None], -mine_C.to(grad_CV.dtype)[:, None])
-    return max_C + sums[:, 0].log() - sums[:, 1], grad_CV
 
 
 class _FusedLinearLoss(torch.autograd.Function):
@@ -439,8 +268,8 @@ class _FusedLinearLoss(torch.autograd.Function):
     def forward(
         ctx: Any, student_hidden: torch.Tensor, student_head: torch.Tensor, plan: _Plan
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hs_NH = _operand(student_hidden.detach(), plan.native)
-        ws_VH = _operand(student_head.detach(), plan.native)
+        hs_NH = operand(student_hidden.detach(), plan.native)
+        ws_VH = operand(student_head.detach(), plan.native)
         num_tokens, local_vocab = hs_NH.shape[0], ws_VH.shape[0]
         device = hs_NH.device
         # Only the gradients autograd will ask for are formed (none under torch.no_grad: evaluation),
@@ -460,7 +289,7 @@ class _FusedLinearLoss(torch.autograd.Function):
             tokens_C = plan.order[span] if plan.order is not None else span
             zs = full["zs"][: span.stop - start]
             hs_CH = hs_NH[tokens_C]
-            _mm(hs_CH, ws_VH.T, out=zs).div_(plan.temperature)
+            mm(hs_CH, ws_VH.T, out=zs).div_(plan.temperature)
             if plan.valid is not None:
                 zs.masked_fill_(~plan.valid, float("-inf"))
             value_C, grad_CV = plan.objective.value_and_grad(full, span, plan)
@@ -468,19 +297,19 @@ class _FusedLinearLoss(torch.autograd.Function):
             if grad_hs_NH is None and grad_ws_VH is None:
                 continue
             grad_CV.mul_((plan.weights[tokens_C] / plan.temperature)[:, None])
-            parts = _split(grad_CV, ws_VH.dtype)
+            parts = split_gradient(grad_CV, ws_VH.dtype)
             if grad_hs_NH is not None:
                 grad_hs_CH = torch.zeros(hs_CH.shape, dtype=fp32, device=device)
                 for part in parts:
-                    _mm_add(part, ws_VH, grad_hs_CH)
+                    mm_add(part, ws_VH, grad_hs_CH)
                 grad_hs_NH[tokens_C] = grad_hs_CH
             if grad_ws_VH is not None:
                 for part in parts:
-                    _mm_add(part.T, hs_CH, grad_ws_VH)
+                    mm_add(part.T, hs_CH, grad_ws_VH)
         # Each rank holds the part of d loss / d h from its vocabulary slice; the full gradient is the
         # sum, as a column-parallel output layer's backward would produce. O(N · Hs) bytes, once.
         if grad_hs_NH is not None:
-            _all_reduce(grad_hs_NH, dist.ReduceOp.SUM, plan.group)
+            all_reduce(grad_hs_NH, dist.ReduceOp.SUM, plan.group)
         ctx.save_for_backward(
             grad_hs_NH.to(student_hidden.dtype) if grad_hs_NH is not None else None,
             grad_ws_VH.to(student_head.dtype) if grad_ws_VH is not None else None,
@@ -533,7 +362,7 @@ def linear_divergence(
         vocab_size: global vocabulary size; columns at or past it are padding and excluded.
         teacher_transforms: {teacher: LogitTransform} logit scale / softcap per teacher.
         compiled: run each chunk's statistics, value and gradient as one compiled function (see
-            `compile_chain`); without a tensor-parallel group only, eager otherwise.
+            `chunk_chain.compile_chain`); without a tensor-parallel group only, eager otherwise.
 
     Returns:
         DivergenceOutput(loss with gradients to student_hidden and student_head, per_token values [N]).
@@ -560,7 +389,7 @@ def linear_divergence(
     )
     if weights.shape != (num_tokens,):
         raise ValueError(f"weights has shape {tuple(weights.shape)}, expected ({num_tokens},)")
-    native = _native_gemms(device)
+    native = native_gemms(device)
     objective = _SoftTargets(
         kind,
         float(beta),
@@ -626,7 +455,7 @@ def linear_cross_entropy(
         chunk_size=int(chunk_size),
         valid=valid,
         group=tp_group,
-        native=_native_gemms(device),
+        native=native_gemms(device),
         compiled=compiled,
     )
     loss, per_token = _FusedLinearLoss.apply(student_hidden, student_head, plan)

@@ -15,13 +15,9 @@ import torch.distributed as dist
 from mopd.store.config import DivergenceConfig
 from mopd.store.errors import ConfigError
 from mopd.store.manifest import Manifest
+from mopd.train.chunk_chain import chunk_size_for, compile_chain
 from mopd.train.distributed import DataParallel
-from mopd.train.divergence import (
-    chunk_size_for,
-    compile_chain,
-    linear_cross_entropy,
-    linear_divergence,
-)
+from mopd.train.divergence import linear_cross_entropy, linear_divergence
 from mopd.train.heads import TeacherHeads
 from mopd.train.loader import MicroBatch
 from mopd.train.student import TrainStudent

@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from mopd.train import divergence
-from mopd.train.divergence import compile_chain, linear_cross_entropy
+from mopd.train import chunk_chain
+from mopd.train.chunk_chain import compile_chain
+from mopd.train.divergence import linear_cross_entropy
 from tests.tolerance import LAMBDA, U, assert_close
 from tests.train.divergence_cases import make_case
 from tests.train.test_divergence import run_fused
@@ -22,11 +23,11 @@ N, VOCAB, CHUNK = 50, 97, 16
 
 @pytest.mark.parametrize("kind", ["reverse_kl", "jsd"])
 def test_the_compiled_chain_matches_the_eager_one(kind: str) -> None:
-    divergence._COMPILED.clear()
+    chunk_chain.COMPILED.clear()
     case = make_case(num_tokens=N, vocab=VOCAB, teachers=3, softcap=True, seed=2)
     eager = run_fused(case, kind=kind, chunk=CHUNK, temperature=0.8)
     compiled = run_fused(case, kind=kind, chunk=CHUNK, temperature=0.8, compiled=True)
-    assert [k for k, chain in divergence._COMPILED.items() if chain is not None]  # it did compile
+    assert [k for k, chain in chunk_chain.COMPILED.items() if chain is not None]  # it did compile
     # The same operations, their reductions over the V columns possibly fused and reordered: each side
     # carries its own order's rounding, λ·√V·U per sum (relative to the sum of magnitudes).
     rtol = 2 * LAMBDA * math.sqrt(VOCAB) * U
@@ -37,7 +38,7 @@ def test_the_compiled_chain_matches_the_eager_one(kind: str) -> None:
 def test_a_chain_that_does_not_compile_runs_eagerly_said_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    divergence._COMPILED.clear()
+    chunk_chain.COMPILED.clear()
 
     def broken(*_args: object, **_kwargs: object) -> object:
         def chain(*_a: object, **_k: object) -> object:
@@ -67,7 +68,7 @@ def test_compile_setting() -> None:
 
 
 def test_the_compiled_hard_label_chain_matches_the_eager_one() -> None:
-    divergence._COMPILED.clear()
+    chunk_chain.COMPILED.clear()
     case = make_case(num_tokens=N, vocab=VOCAB, seed=6)
     labels = torch.randint(0, VOCAB - 5, (N,), generator=torch.Generator().manual_seed(2))
     labels[7] = -100
@@ -83,7 +84,7 @@ def test_the_compiled_hard_label_chain_matches_the_eager_one() -> None:
         return [out.loss.detach(), out.per_token, hs.grad, ws.grad]
 
     eager, compiled = run(False), run(True)
-    assert [k for k, chain in divergence._COMPILED.items() if chain is not None]
+    assert [k for k, chain in chunk_chain.COMPILED.items() if chain is not None]
     rtol = 2 * LAMBDA * math.sqrt(VOCAB) * U  # as above: one reduction over V, in two orders
     for name, c, e in zip(("loss", "per_token", "grad_hidden", "grad_head"), compiled, eager, strict=True):
         assert_close(c, e, rtol=rtol, norm=True, what=name)
@@ -91,7 +92,7 @@ def test_the_compiled_hard_label_chain_matches_the_eager_one() -> None:
 
 def test_chunk_size_setting() -> None:
     from mopd.store.config import DivergenceConfig
-    from mopd.train.divergence import AUTO_CHUNK, chunk_size_for
+    from mopd.train.chunk_chain import AUTO_CHUNK, chunk_size_for
 
     assert DivergenceConfig().chunk_size == "auto"
     assert chunk_size_for("auto", torch.device("cpu")) == AUTO_CHUNK["cpu"]
