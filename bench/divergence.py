@@ -129,6 +129,13 @@ def ok(result: dict[str, float] | None) -> bool:
     return result is not None and "failed" not in result
 
 
+def write_results(path: Path, **fields: Any) -> None:
+    """The run's figures as JSON, with the shapes and the machine they were measured at."""
+    payload = {"vocab": VOCAB, "hidden": HIDDEN, "cpus": os.cpu_count(), **fields}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
 def chunk_sweep(args: argparse.Namespace) -> None:
     """The default chunk by measurement, and the issue-19 ratios at it (one run, side by side)."""
     default = args.chunk
@@ -152,20 +159,16 @@ def chunk_sweep(args: argparse.Namespace) -> None:
     }
     print(f"  at the default: {at_default}", flush=True)
     bf16 = {t: measure("fused", 4096, default, t, "bfloat16") for t in (1, 4)}
-    payload = {
-        "vocab": VOCAB,
-        "hidden": HIDDEN,
-        "tokens": n,
-        "cpus": os.cpu_count(),
-        "default_chunk": default,
-        "liger_chunk": LIGER_DEFAULT_CHUNK,
-        "repeats": args.repeats,
-        "sweep": sweep,
-        "at_default": at_default,
-        "bf16_n4096_by_teachers": bf16,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    write_results(
+        args.out,
+        tokens=n,
+        default_chunk=default,
+        liger_chunk=LIGER_DEFAULT_CHUNK,
+        repeats=args.repeats,
+        sweep=sweep,
+        at_default=at_default,
+        bf16_n4096_by_teachers=bf16,
+    )
     gib = 2.0**30
     print(f"fp32 fwd+bwd, N={n}, V={VOCAB}, H={HIDDEN}: fused / its GEMMs alone, by chunk")
     for chunk, row in sweep.items():
@@ -235,18 +238,14 @@ def main() -> None:
         k: min((r for r in v if r is not None and ok(r)), key=lambda r: r["seconds"], default=None)
         for k, v in runs.items()
     }
-    payload = {
-        "vocab": VOCAB,
-        "hidden": HIDDEN,
-        "dtype": "float32",
-        "chunk": args.chunk,
-        "cpus": os.cpu_count(),
-        "torch_threads": os.environ.get("OMP_NUM_THREADS"),
-        "by_tokens": results,
-        "multi_teacher": multi,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    write_results(
+        args.out,
+        dtype="float32",
+        chunk=args.chunk,
+        torch_threads=os.environ.get("OMP_NUM_THREADS"),
+        by_tokens=results,
+        multi_teacher=multi,
+    )
 
     gib = 2.0**30
     print(f"fwd+bwd, fp32, V={VOCAB}, H={HIDDEN}, fused chunk {args.chunk}; time s / peak GiB above inputs")
