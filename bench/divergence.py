@@ -141,22 +141,30 @@ def chunk_sweep(args: argparse.Namespace) -> None:
     default = args.chunk
     n = 8192
 
-    def best(*spec: Any) -> dict[str, Any]:
-        """The fastest of `args.repeats` runs: single runs drift by up to ±30% on this machine."""
-        runs = [measure(*spec) for _ in range(args.repeats)]
-        good = [r for r in runs if ok(r)]
-        return min(good, key=lambda r: r["seconds"]) if good else runs[0]
+    def best(specs: dict[str, tuple[Any, ...]]) -> dict[str, dict[str, Any]]:
+        """The fastest of `args.repeats` runs of each spec, the specs alternated run by run: single runs
+        drift by up to ±30% on this machine, and alternating puts a slow spell on every side."""
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in specs}
+        for _ in range(args.repeats):
+            for name, spec in specs.items():
+                runs[name].append(measure(*spec))
+        return {
+            name: min(good, key=lambda r: r["seconds"]) if (good := [r for r in rs if ok(r)]) else rs[0]
+            for name, rs in runs.items()
+        }
 
     sweep = {}
     for chunk in args.chunk_sweep:
-        sweep[str(chunk)] = {"fused": best("fused", n, chunk), "gemms": best("gemms", n, chunk)}
+        sweep[str(chunk)] = best({"fused": ("fused", n, chunk), "gemms": ("gemms", n, chunk)})
         print(f"  chunk {chunk}: {sweep[str(chunk)]}", flush=True)
-    at_default = {
-        "fused": sweep[str(default)]["fused"] if str(default) in sweep else best("fused", n, default),
-        "gemms": sweep[str(default)]["gemms"] if str(default) in sweep else best("gemms", n, default),
-        "fused-compiled": best("fused-compiled", n, default),
-        "liger-compiled": best("liger-compiled", n, LIGER_DEFAULT_CHUNK),
-    }
+    at_default = best(
+        {
+            "fused": ("fused", n, default),
+            "gemms": ("gemms", n, default),
+            "fused-compiled": ("fused-compiled", n, default),
+            "liger-compiled": ("liger-compiled", n, LIGER_DEFAULT_CHUNK),
+        }
+    )
     print(f"  at the default: {at_default}", flush=True)
     bf16 = {t: measure("fused", 4096, default, t, "bfloat16") for t in (1, 4)}
     write_results(

@@ -204,18 +204,19 @@ def reverse_kl_chain(zs: torch.Tensor, zt: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def chain_section(meter: Meter, rows: int, vocab: int, repeats: int) -> dict[str, Any]:
-    from mopd.train.divergence import _chunk_value_and_grad
+    from mopd.train.chunk_chain import soft_value_and_grad
 
     device = meter.device
     g = torch.Generator(device=device).manual_seed(2)
     zs0 = torch.randn(rows, vocab, device=device, generator=g) * 3
     zt0 = torch.randn(rows, vocab, device=device, generator=g) * 3
     buffers = {name: torch.empty_like(zs0) for name in ("zs", "zt", "ps")}
+    scale = torch.ones(rows, device=device)
 
     def mopd_eager() -> tuple[torch.Tensor, torch.Tensor]:
         buffers["zs"].copy_(zs0)
         buffers["zt"].copy_(zt0)
-        return _chunk_value_and_grad(buffers, None, "reverse_kl", 0.5, None)
+        return soft_value_and_grad(buffers, None, "reverse_kl", 0.5, scale, None)
 
     copies = meter.measure(lambda: (buffers["zs"].copy_(zs0), buffers["zt"].copy_(zt0)), repeats)
     want_value, want_grad = (t.clone() for t in mopd_eager())

@@ -25,48 +25,93 @@ def all_reduce(x: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
 NEEDS_P_T = ("forward_kl", "jsd", "tvd")
 
 
-def soft_value_and_grad(
-    buffers: dict[str, torch.Tensor], valid_V: torch.Tensor | None, kind: str, beta: float, group: Any
+def _scaled_gradient(
+    u: torch.Tensor, value: torch.Tensor, p_s: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """scale ⊙ p_s ⊙ (u − value) into `out`, through `u`."""
+    return torch.mul(u.sub_(value[:, None]).mul_(p_s), scale[:, None], out=out)
+
+
+def _reverse_kl(
+    zs: torch.Tensor,
+    zt: torch.Tensor,
+    scratch: torch.Tensor,
+    valid_V: torch.Tensor | None,
+    scale_C: torch.Tensor,
+    group: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token value [C] and d value / d z_s [C, V] from tempered logits, in place.
+    """Reverse KL, the default kind, in 12 passes over [C, V], 2 of them exps.
+
+    With e_s = exp(z_s − m_s), Σ_s its row sum, w = (z_s − m_s) − (z_t − m_t) and Δ = log Σ_s − log Σ_t:
+    log p_s − log p_t = w − Δ, so KL = ⟨e_s, w⟩ / Σ_s − Δ, and its gradient p_s ⊙ (u − KL) is
+    (e_s ⊙ w − ⟨w⟩ e_s) / Σ_s with ⟨w⟩ = ⟨e_s, w⟩ / Σ_s. Neither p_s nor the log-probabilities are
+    formed, and one collective carries the three row sums.
+    """
+    maxes = all_reduce(torch.stack([zs.amax(1), zt.amax(1)], 1), dist.ReduceOp.MAX, group)
+    zs.sub_(maxes[:, :1])
+    zt.sub_(maxes[:, 1:])
+    sum_t = torch.exp(zt, out=scratch).sum(1)
+    w = torch.sub(zs, zt, out=zt)
+    if valid_V is not None:  # padded columns: −inf − −inf; e_s = 0 there, so w = 0 gives 0 · w = 0
+        w.masked_fill_(~valid_V, 0.0)
+    e_s = zs.exp_()
+    sum_s = e_s.sum(1)
+    e_w = w.mul_(e_s)
+    sums = all_reduce(torch.stack([sum_s, sum_t, e_w.sum(1)], 1), dist.ReduceOp.SUM, group)
+    mean_w = sums[:, 2] / sums[:, 0]
+    value = mean_w - (sums[:, 0].log() - sums[:, 1].log())
+    return value, torch.mul(e_w.addcmul_(e_s, -mean_w[:, None]), (scale_C / sums[:, 0])[:, None], out=zs)
+
+
+def soft_value_and_grad(
+    buffers: dict[str, torch.Tensor],
+    valid_V: torch.Tensor | None,
+    kind: str,
+    beta: float,
+    scale_C: torch.Tensor,
+    group: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token value [C] and scale_C ⊙ d value / d z_s [C, V] from tempered logits, in place: the
+    gradient takes the place of `zs`.
 
     `zs` and `zt` hold the tempered logits (masked columns −inf) and become log p_s and log p_t, then
     scratch; `ps` holds p_s. Reverse KL, cross-entropy and entropy need nothing more: 3 buffers of
-    [C, V]. Forward KL adds `pt`; JSD and TVD add `work` and a few temporaries. Row sums use torch's
-    pairwise reduction (a running dot product loses the 1e-6 agreement of KL = CE − H near values of 5).
+    [C, V]. Forward KL adds `pt`; JSD and TVD add `work` and a few temporaries. Each side's exp is taken
+    once (the probabilities are the exps over their sum, not exps of the log-probabilities), which is
+    most of the chain's time on a CPU. Row sums use torch's pairwise reduction (a running dot product
+    loses the 1e-6 agreement of KL = CE − H near values of 5).
     """
     zs, zt, ps = buffers["zs"], buffers["zt"], buffers["ps"]
-    stats_max = all_reduce(torch.stack([zs.amax(1), zt.amax(1)], 1), dist.ReduceOp.MAX, group)
-    zs.sub_(stats_max[:, :1])
-    zt.sub_(stats_max[:, 1:])
+    if kind == "reverse_kl":
+        return _reverse_kl(zs, zt, ps, valid_V, scale_C, group)
+    pt = buffers["pt"] if kind in NEEDS_P_T else None
+    maxes = all_reduce(torch.stack([zs.amax(1), zt.amax(1)], 1), dist.ReduceOp.MAX, group)
+    zs.sub_(maxes[:, :1])
+    zt.sub_(maxes[:, 1:])
+    sum_t = torch.exp(zt, out=ps if pt is None else pt).sum(1)  # ps is only scratch here
     sum_s = torch.exp(zs, out=ps).sum(1)
-    sum_t = torch.exp(zt, out=ps).sum(1)
     sums = all_reduce(torch.stack([sum_s, sum_t], 1), dist.ReduceOp.SUM, group)
-    logp_s = zs.sub_(sums[:, :1].log())
-    logp_t = zt.sub_(sums[:, 1:].log())
-    p_s = torch.exp(logp_s, out=ps)
-    p_t = torch.exp(logp_t, out=buffers["pt"]) if kind in NEEDS_P_T else None
+    log_sums = sums.log()
+    p_s = ps.div_(sums[:, :1])
+    p_t = pt.div_(sums[:, 1:]) if pt is not None else None
+
+    logp_s = zs.sub_(log_sums[:, :1])
+    logp_t = zt.sub_(log_sums[:, 1:])
     if valid_V is not None:  # padded columns: p = 0; make log p finite so that 0 · log p = 0
         logp_s.masked_fill_(~valid_V, 0.0)
         logp_t.masked_fill_(~valid_V, 0.0)
-
-    if kind in ("reverse_kl", "cross_entropy", "entropy"):
+    if kind in ("cross_entropy", "entropy"):
         # u = ∂value/∂p_s overwrites one log-prob buffer; the product for the row sum uses the other.
-        if kind == "reverse_kl":
-            u, spare = torch.sub(logp_s, logp_t, out=logp_t), logp_s
-        elif kind == "cross_entropy":
-            u, spare = logp_t.neg_(), logp_s
-        else:
-            u, spare = logp_s.neg_(), logp_t
+        u, spare = (logp_t.neg_(), logp_s) if kind == "cross_entropy" else (logp_s.neg_(), logp_t)
         value = all_reduce(torch.mul(p_s, u, out=spare).sum(1), dist.ReduceOp.SUM, group)
-        return value, u.sub_(value[:, None]).mul_(p_s)
+        return value, _scaled_gradient(u, value, p_s, scale_C, out=zs)
     assert p_t is not None
     if kind == "forward_kl":
         value = all_reduce(logp_t.sub_(logp_s).mul_(p_t).sum(1), dist.ReduceOp.SUM, group)
-        return value, torch.sub(p_s, p_t, out=logp_s)
+        return value, torch.sub(p_s, p_t, out=logp_s).mul_(scale_C[:, None])
     work = buffers["work"]
     if kind == "jsd" and beta in (0.0, 1.0):  # m equals one side: both terms vanish
-        return torch.zeros_like(stats_max[:, 0]), work.zero_()
+        return torch.zeros_like(maxes[:, 0]), zs.zero_()
     if kind == "jsd":
         logm = torch.logaddexp(logp_t + math.log(beta), logp_s + math.log(1 - beta))
         terms = beta * p_t * (logp_t - logm) + (1 - beta) * p_s * (logp_s - logm)
@@ -75,7 +120,45 @@ def soft_value_and_grad(
         terms = 0.5 * (p_s - p_t).abs()
         u = torch.sub(p_s, p_t, out=work).sign_().mul_(0.5)
     reduced = all_reduce(torch.stack([terms.sum(1), (p_s * u).sum(1)], 1), dist.ReduceOp.SUM, group)
-    return reduced[:, 0], u.sub_(reduced[:, 1:]).mul_(p_s)
+    return reduced[:, 0], _scaled_gradient(u, reduced[:, 1], p_s, scale_C, out=zs)
+
+
+# Eagerly on the CPU, a chunk's chain runs over a few rows at a time, so that its passes over the
+# [rows, V] buffers stay in the last-level cache instead of streaming from memory: as many rows as fill
+# CACHE_BYTES with every buffer. Reverse KL over 512 rows of V=49152 (bench/README.md, "Default
+# chunk"): 72 ms at once, 44 ms in blocks of 16 or 32 rows (9 and 19 MiB of buffers), 53 ms in blocks
+# of 64 (38 MiB) on this machine's 32 MiB L3.
+CACHE_BYTES = 16 << 20
+
+
+def block_rows(buffers: dict[str, torch.Tensor]) -> int:
+    """Rows a block of the eager chain takes (`CACHE_BYTES`)."""
+    row_bytes = sum(b.shape[1] * b.element_size() for b in buffers.values())
+    return max(1, CACHE_BYTES // row_bytes)
+
+
+def soft_in_blocks(
+    buffers: dict[str, torch.Tensor],
+    rows: int,
+    valid_V: torch.Tensor | None,
+    kind: str,
+    beta: float,
+    scale_C: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`soft_value_and_grad` without tensor parallelism, `rows` rows at a time (each row's value and
+    gradient depend on that row alone); the gradient takes the place of `zs`, as there."""
+    values = [
+        soft_value_and_grad(
+            {name: b[start : start + rows] for name, b in buffers.items()},
+            valid_V,
+            kind,
+            beta,
+            scale_C[start : start + rows],
+            None,
+        )[0]
+        for start in range(0, buffers["zs"].shape[0], rows)
+    ]
+    return torch.cat(values), buffers["zs"]
 
 
 # The chunk chain as one compiled function per loss kind and chunk shape (issue: ~15 eager passes over
@@ -112,7 +195,7 @@ def shape_key(buffer: torch.Tensor) -> tuple[Any, ...]:
 
 # Tokens per chunk for `train.divergence.chunk_size: auto`: the smallest chunk within 10% of the best
 # time measured (bench/README.md, "Default chunk"). CPU, fp32, N=8192, V=49152, H=576, fwd+bwd:
-# 1024 takes 11.8 s, 512 12.4 s, 256 14.4 s. H200, bf16, N=8192, V=128256, H=4096, compiled chain:
+# 1024 takes 11.4 s, 512 11.5 s, 256 13.9 s. H200, bf16, N=8192, V=128256, H=4096, compiled chain:
 # 4096 takes 0.103 s, 2048 0.109 s, 1024 0.114 s.
 AUTO_CHUNK = {"cpu": 512, "cuda": 2048}
 
@@ -135,17 +218,18 @@ def compile_chain(setting: str, device: torch.device) -> bool:
 
 
 def label_value_and_grad(
-    logits_CV: torch.Tensor, local_C: torch.Tensor, group: Any
+    logits_CV: torch.Tensor, local_C: torch.Tensor, scale_C: torch.Tensor, group: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """−log p_s(label) [C] and its gradient [C, V] from tempered logits, in place; `local_C` holds the
-    labels as this rank's column numbers (outside [0, V_local): another rank's)."""
+    """−log p_s(label) [C] and scale_C ⊙ its gradient [C, V] from tempered logits, in place; `local_C`
+    holds the labels as this rank's column numbers (outside [0, V_local): another rank's)."""
     mine_C = (local_C >= 0) & (local_C < logits_CV.shape[1])
     at_C = torch.where(mine_C, local_C, 0)
     label_logit_C = torch.where(mine_C, logits_CV.gather(1, at_C[:, None])[:, 0], 0.0)
     max_C = all_reduce(logits_CV.amax(1), dist.ReduceOp.MAX, group)
     probs_CV = logits_CV.sub_(max_C[:, None]).exp_()
     sums = all_reduce(torch.stack([probs_CV.sum(1), label_logit_C], 1), dist.ReduceOp.SUM, group)
-    grad_CV = probs_CV.div_(sums[:, :1])  # softmax − one-hot(label), on the label's owner rank
-    # The owner's label column loses 1: a scatter of −mine (0 elsewhere), without data-dependent shapes.
-    grad_CV.scatter_add_(1, at_C[:, None], -mine_C.to(grad_CV.dtype)[:, None])
+    grad_CV = probs_CV.mul_((scale_C / sums[:, 0])[:, None])  # scale ⊙ (softmax − one-hot(label))
+    # The owner's label column loses scale: a scatter of −scale·mine (0 elsewhere), without
+    # data-dependent shapes.
+    grad_CV.scatter_add_(1, at_C[:, None], -(scale_C * mine_C)[:, None])
     return max_C + sums[:, 0].log() - sums[:, 1], grad_CV

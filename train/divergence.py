@@ -39,9 +39,11 @@ from mopd.store.transform import LogitTransform
 from mopd.train.chunk_chain import (
     NEEDS_P_T,
     all_reduce,
+    block_rows,
     compiled_chain,
     label_value_and_grad,
     shape_key,
+    soft_in_blocks,
     soft_value_and_grad,
 )
 from mopd.train.gemm import mm, mm_add, native_gemms, operand, split_gradient
@@ -103,6 +105,17 @@ def _check_inputs(
         raise ValueError(
             f"tokens are routed to teacher {absent[0]}, but no head was given for it (heads: {sorted(heads)})"
         )
+    return teacher_index, _teacher_rows(teacher_hidden, teacher_index, heads, present)
+
+
+def _teacher_rows(
+    teacher_hidden: torch.Tensor | Mapping[int, torch.Tensor],
+    teacher_index: torch.Tensor,
+    heads: Mapping[int, torch.Tensor],
+    present: list[int],
+) -> dict[int, torch.Tensor]:
+    """Each present teacher's hidden rows, checked against its routed tokens and its head."""
+    num_tokens = teacher_index.shape[0]
     rows: dict[int, torch.Tensor] = {}
     for t in present:
         count = int((teacher_index == t).sum())
@@ -118,7 +131,7 @@ def _check_inputs(
             raise ValueError(f"teacher {t}: hidden size {rows[t].shape[1]} ≠ its head's {heads[t].shape[1]}")
     if not isinstance(teacher_hidden, Mapping) and teacher_hidden.shape[0] != num_tokens:
         raise ValueError(f"teacher_hidden has {teacher_hidden.shape[0]} rows, student_hidden {num_tokens}")
-    return teacher_index, rows
+    return rows
 
 
 def _valid_columns(
@@ -156,9 +169,10 @@ class _ChunkObjective:
     buffer_names: tuple[str, ...] = ("zs",)
 
     def value_and_grad(
-        self, full: dict[str, torch.Tensor], span: slice, plan: _Plan
+        self, full: dict[str, torch.Tensor], span: slice, scale_C: torch.Tensor, plan: _Plan
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`full` holds the chunk-wide buffers; this chunk's rows are the first `span` length."""
+        """`full` holds the chunk-wide buffers; this chunk's rows are the first `span` length. The
+        gradient comes multiplied by `scale_C` (each token's weight over the temperature)."""
         raise NotImplementedError
 
     def prepare(self, full: dict[str, torch.Tensor], plan: _Plan) -> None:
@@ -172,13 +186,13 @@ class _SoftTargets(_ChunkObjective):
         self,
         kind: str,
         beta: float,
-        teacher_of: torch.Tensor,
+        teacher_index: torch.Tensor,
         rows: Mapping[int, torch.Tensor],
         heads: Mapping[int, torch.Tensor],
         transforms: Mapping[int, LogitTransform],
     ) -> None:
         self.kind, self.beta = kind, beta
-        self.teacher_of = teacher_of  # [N] teacher of each position of `order`
+        self.teacher_index = teacher_index  # [N] teacher of each position of `order`
         self.rows, self.heads, self.transforms = rows, heads, transforms
         names = ["zs", "zt", "ps"] + (["pt"] if kind in NEEDS_P_T else [])
         self.buffer_names = tuple(names + (["work"] if kind in ("jsd", "tvd") else []))
@@ -187,6 +201,7 @@ class _SoftTargets(_ChunkObjective):
         self.cursor = dict.fromkeys(rows, 0)
         self.operand: tuple[int, torch.Tensor] | None = None
         self.chain: Any = None  # the compiled chunk chain, when used
+        self.block: int | None = None  # rows at a time of the eager chain, where it runs in blocks
 
     def _head(self, teacher: int, native: bool) -> torch.Tensor:
         if self.operand is None or self.operand[0] != teacher:
@@ -195,13 +210,13 @@ class _SoftTargets(_ChunkObjective):
         return self.operand[1]
 
     def value_and_grad(
-        self, full: dict[str, torch.Tensor], span: slice, plan: _Plan
+        self, full: dict[str, torch.Tensor], span: slice, scale_C: torch.Tensor, plan: _Plan
     ) -> tuple[torch.Tensor, torch.Tensor]:
         size = span.stop - span.start
         buffers = {name: buf[:size] for name, buf in full.items()}
         # Tokens are sorted by teacher, so each teacher's tokens form one run of the chunk: one GEMM
         # per teacher present, written straight into its rows of the teacher logits.
-        teachers, counts = torch.unique_consecutive(self.teacher_of[span], return_counts=True)
+        teachers, counts = torch.unique_consecutive(self.teacher_index[span], return_counts=True)
         row = 0
         for t, count in zip(teachers.tolist(), counts.tolist(), strict=True):
             first = self.cursor[t]
@@ -209,26 +224,33 @@ class _SoftTargets(_ChunkObjective):
             block = buffers["zt"][row : row + count]
             hidden = operand(self.rows[t][first : self.cursor[t]], plan.native)
             mm(hidden, self._head(t, plan.native).T, out=block)
-            self.transforms[t].apply_(block).div_(plan.temperature)
+            _temper(self.transforms[t].apply_(block), plan.temperature)
             row += count
             if self.cursor[t] == self.rows[t].shape[0]:
                 self.operand = None  # this teacher's tokens are done
         if plan.valid is not None:
             buffers["zt"].masked_fill_(~plan.valid, float("-inf"))
         chain = self.chain
+        if chain is None and self.block is not None:
+            return soft_in_blocks(buffers, self.block, plan.valid, self.kind, self.beta, scale_C)
         if chain is None:
-            return soft_value_and_grad(buffers, plan.valid, self.kind, self.beta, plan.group)
+            return soft_value_and_grad(buffers, plan.valid, self.kind, self.beta, scale_C, plan.group)
         # One shape, one compilation: the last, shorter chunk runs full width too (its spare rows hold
-        # an earlier chunk's finite logits) and its own rows are taken from the result.
-        value, grad = chain(full, plan.valid, self.kind, self.beta, None)
+        # an earlier chunk's finite logits, scaled by 0) and its own rows are taken from the result.
+        value, grad = chain(full, plan.valid, self.kind, self.beta, _full_width(scale_C, full), None)
         return value[:size], grad[:size]
 
     def prepare(self, full: dict[str, torch.Tensor], plan: _Plan) -> None:
         # Compiled only without tensor parallelism: the chain's collectives stay eager elsewhere.
         use = plan.compiled and plan.group is None
-        args = (full, plan.valid, self.kind, self.beta, None)
+        scale = full["zs"].new_zeros(full["zs"].shape[0])
+        args = (full, plan.valid, self.kind, self.beta, scale, None)
         key = (self.kind, self.beta, *shape_key(full["zs"]), plan.valid is not None)
         self.chain = compiled_chain(soft_value_and_grad, key, list(full.values()), *args) if use else None
+        # In cache-sized blocks on the CPU: without tensor parallelism, whose statistics would then take
+        # a collective per block.
+        on_cpu = full["zs"].device.type == "cpu"
+        self.block = block_rows(full) if self.chain is None and plan.group is None and on_cpu else None
 
 
 class _HardLabels(_ChunkObjective):
@@ -242,22 +264,33 @@ class _HardLabels(_ChunkObjective):
         zs = full["zs"]
         if plan.compiled and plan.group is None:
             local = torch.zeros(zs.shape[0], dtype=self.labels.dtype, device=zs.device)
+            scale = zs.new_zeros(zs.shape[0])
             self.chain = compiled_chain(
-                label_value_and_grad, ("labels", *shape_key(zs)), [zs], zs, local, None
+                label_value_and_grad, ("labels", *shape_key(zs)), [zs], zs, local, scale, None
             )
 
     def value_and_grad(
-        self, full: dict[str, torch.Tensor], span: slice, plan: _Plan
+        self, full: dict[str, torch.Tensor], span: slice, scale_C: torch.Tensor, plan: _Plan
     ) -> tuple[torch.Tensor, torch.Tensor]:
         size = span.stop - span.start
         local_C = self.labels[span] - self.vocab_start
         if self.chain is None:
-            return label_value_and_grad(full["zs"][:size], local_C, plan.group)
+            return label_value_and_grad(full["zs"][:size], local_C, scale_C, plan.group)
         # Full width, as `_SoftTargets` does; the spare rows' labels are owned by no rank.
         width = full["zs"].shape[0]
         padded = torch.cat([local_C, local_C.new_full((width - size,), -1)]) if size < width else local_C
-        value, grad = self.chain(full["zs"], padded, None)
+        value, grad = self.chain(full["zs"], padded, _full_width(scale_C, full), None)
         return value[:size], grad[:size]
+
+
+def _temper(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / T in place; a pass over [C, V] saved at T = 1."""
+    return logits if temperature == 1.0 else logits.div_(temperature)
+
+
+def _full_width(scale_C: torch.Tensor, full: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`scale_C` padded with zeros to the chunk buffers' rows (the compiled chain's one shape)."""
+    return torch.cat([scale_C, scale_C.new_zeros(full["zs"].shape[0] - scale_C.shape[0])])
 
 
 class _FusedLinearLoss(torch.autograd.Function):
@@ -289,18 +322,19 @@ class _FusedLinearLoss(torch.autograd.Function):
             tokens_C = plan.order[span] if plan.order is not None else span
             zs = full["zs"][: span.stop - start]
             hs_CH = hs_NH[tokens_C]
-            mm(hs_CH, ws_VH.T, out=zs).div_(plan.temperature)
+            _temper(mm(hs_CH, ws_VH.T, out=zs), plan.temperature)
             if plan.valid is not None:
                 zs.masked_fill_(~plan.valid, float("-inf"))
-            value_C, grad_CV = plan.objective.value_and_grad(full, span, plan)
+            # The chain rule's 1/T and the token weights scale the gradient inside the chain.
+            scale_C = plan.weights[tokens_C] / plan.temperature
+            value_C, grad_CV = plan.objective.value_and_grad(full, span, scale_C, plan)
             values_N[tokens_C] = value_C
             if grad_hs_NH is None and grad_ws_VH is None:
                 continue
-            grad_CV.mul_((plan.weights[tokens_C] / plan.temperature)[:, None])
             parts = split_gradient(grad_CV, ws_VH.dtype)
             if grad_hs_NH is not None:
-                grad_hs_CH = torch.zeros(hs_CH.shape, dtype=fp32, device=device)
-                for part in parts:
+                grad_hs_CH = mm(parts[0], ws_VH, out=torch.empty(hs_CH.shape, dtype=fp32, device=device))
+                for part in parts[1:]:
                     mm_add(part, ws_VH, grad_hs_CH)
                 grad_hs_NH[tokens_C] = grad_hs_CH
             if grad_ws_VH is not None:
@@ -393,7 +427,7 @@ def linear_divergence(
     objective = _SoftTargets(
         kind,
         float(beta),
-        teacher_of=teacher_index.to(device)[order],
+        teacher_index=teacher_index.to(device)[order],
         rows={t: r.detach() for t, r in rows.items()},
         heads={t: teacher_heads[t].detach() for t in rows},
         transforms=transforms,

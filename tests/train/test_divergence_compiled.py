@@ -1,5 +1,6 @@
-"""The compiled chunk chain computes what the eager one does, a compiler failure costs nothing, and
-the settings that choose the chain and the chunk."""
+"""The compiled chunk chain, and the eager one in cache-sized row blocks, compute what the eager chain
+over whole chunks does; a compiler failure costs nothing; the settings that choose the chain and the
+chunk."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from mopd.train import chunk_chain
 from mopd.train.chunk_chain import compile_chain
-from mopd.train.divergence import linear_cross_entropy
+from mopd.train.divergence import KINDS, linear_cross_entropy, linear_divergence
 from tests.tolerance import LAMBDA, U, assert_close
 from tests.train.divergence_cases import make_case
 from tests.train.test_divergence import run_fused
@@ -101,3 +102,38 @@ def test_chunk_size_setting() -> None:
     for bad in (0, -4, "big"):
         with pytest.raises(ValueError):
             DivergenceConfig(chunk_size=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_chain_in_row_blocks_matches_it_whole(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's eager chain runs a chunk a few rows at a time (`chunk_chain.CACHE_BYTES`); here one row
+    at a time, against whole chunks, with padded vocabulary columns."""
+    case = make_case(num_tokens=N, vocab=VOCAB, teachers=3, softcap=True, seed=5)
+
+    def run(cache_bytes: int) -> list[torch.Tensor]:
+        monkeypatch.setattr(chunk_chain, "CACHE_BYTES", cache_bytes)
+        hs = case.student_hidden.detach().clone().requires_grad_()
+        ws = case.student_head.detach().clone().requires_grad_()
+        out = linear_divergence(
+            hs,
+            ws,
+            case.teacher_hidden,
+            case.teacher_heads,
+            case.teacher_index,
+            kind=kind,
+            temperature=0.8,
+            weights=case.weights,
+            chunk_size=CHUNK,
+            vocab_size=VOCAB - 5,
+            teacher_transforms=case.transforms,
+        )
+        out.loss.backward()
+        assert hs.grad is not None and ws.grad is not None
+        return [out.loss.detach(), out.per_token, hs.grad, ws.grad]
+
+    by_row, whole = run(1), run(1 << 40)
+    # The same operations on each row; a row's reductions over V may be split another way when a block
+    # is one row (λ·√V·U per sum on each side, relative to the sum of magnitudes).
+    rtol = 2 * LAMBDA * math.sqrt(VOCAB) * U
+    for name, b, w in zip(("loss", "per_token", "grad_hidden", "grad_head"), by_row, whole, strict=True):
+        assert_close(b, w, rtol=rtol, norm=True, what=name)
