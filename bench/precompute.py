@@ -30,14 +30,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mopd.config.mopd_config import MopdConfig, parse_config
+from mopd.precompute.backends import HiddenStateSource
 from mopd.precompute.data import TokenizedRows
 from mopd.precompute.hf_backend import HFTeacher
+from mopd.precompute.outputs import StoreOutput
 from mopd.precompute.packaged_models import smollm2_checkpoint
 from mopd.precompute.progress import TokenProgress
-from mopd.precompute.runner import HiddenStateSource, build_plan, run_hidden_task
+from mopd.precompute.runner import build_plan, run_hidden_task
 from mopd.precompute.teachers import TeacherSet, resolve_teachers
 from mopd.store.batching import pack_batches
-from mopd.store.config import MopdConfig, parse_config
 from mopd.store.writer import StoreWriter
 
 
@@ -76,13 +78,13 @@ def with_store(
 ) -> tuple[float, float]:
     """(wall seconds, seconds of it inside the forward)."""
     plan = build_plan(config, teachers, rows, backend, "float32")
-    writer = StoreWriter.open(root, plan)
+    output = StoreOutput(StoreWriter.open(root, plan), config.store.dtype)
     timed = TimedTeacher(teacher)
     start = time.perf_counter()
     with TokenProgress(total_rows=rows.num_rows, total_tokens=int(rows.lengths.sum()), enabled=False) as p:
         for task in plan.tasks:
             if task.kind == "hidden":
-                run_hidden_task(writer, task, timed, rows, config, p)
+                run_hidden_task(output, task, timed, rows, config.precompute.batch_tokens, p)
     return time.perf_counter() - start, timed.forward_s
 
 
@@ -109,7 +111,7 @@ def main() -> None:
         },
         base_dir=work,
     )
-    teachers = resolve_teachers(config)
+    teachers = resolve_teachers(config.teachers, config.tokenizer)
     rng = np.random.default_rng(0)
     rows = TokenizedRows.from_lists(
         [rng.integers(0, 49152, size=args.length) for _ in range(args.rows)],

@@ -37,9 +37,9 @@ def build_store(folder: Path, tokens: int) -> Path:
     import numpy as np
     import yaml
 
+    from mopd.config.mopd_config import load_config
     from mopd.precompute.packaged_models import smollm2_checkpoint
     from mopd.precompute.runner import run_precompute
-    from mopd.store.config import load_config
 
     checkpoint = smollm2_checkpoint()
     rng = np.random.default_rng(0)
@@ -82,7 +82,7 @@ def _eager_objective(trainer: Any) -> Any:
 
 
 def run_variant(variant: str, config: Path) -> dict[str, float]:
-    from mopd.store.config import load_config
+    from mopd.config.mopd_config import load_config
     from mopd.train.data_order import LoaderState
     from mopd.train.loader import read_microbatch
     from mopd.train.trainer import Trainer

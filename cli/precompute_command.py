@@ -9,7 +9,7 @@ from rich.table import Table
 
 from mopd.cli.console import plain_log, stderr_console
 from mopd.cli.store_commands import format_size
-from mopd.store.config import load_config
+from mopd.config.mopd_config import load_config
 
 
 @click.command("precompute")

@@ -20,7 +20,7 @@ from rich.table import Table
 from mopd.cli.console import plain_log, stderr_console
 from mopd.cli.quickstart_assets import BIG_TEACHER, SMALL_TEACHER, STUDENT, prepare_models, write_dataset
 from mopd.cli.store_commands import format_size
-from mopd.store.config import load_config
+from mopd.config.mopd_config import load_config
 from mopd.store.errors import MopdError
 from mopd.store.summary import summarise_store
 from mopd.store.verify import verify_store
@@ -88,7 +88,7 @@ def run_quickstart(workdir: Path, *, small: bool, console: Console) -> Table:
     store = Path(config.store.path)
 
     console.rule("3/4 verify-manifest")
-    problems, _ = verify_store(store, config=config)
+    problems, _ = verify_store(store, teachers=config.teachers)
     if problems:
         raise MopdError("the store does not verify:\n" + "\n".join(problems))
     console.print(f"{store}: complete, unchanged, and numbered as the config says")

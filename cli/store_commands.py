@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from mopd.store.config import load_config
+from mopd.config.mopd_config import load_config
 from mopd.store.summary import summarise_store
 from mopd.store.verify import verify_store
 
@@ -38,7 +38,9 @@ def verify_manifest_command(
     Reports every problem, one per line (exit 1), or nothing (exit 0). Never writes to STORE.
     """
     config = load_config(config_path) if config_path is not None else None
-    problems, warnings = verify_store(store, config=config, checkpoint=checkpoint, full=full)
+    problems, warnings = verify_store(
+        store, teachers=config.teachers if config else None, checkpoint=checkpoint, full=full
+    )
     for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
     if as_json:

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from mopd.cli.console import plain_log, stderr_console
-from mopd.store.config import load_config
+from mopd.config.mopd_config import load_config
 
 
 @click.command("train")
@@ -45,24 +45,22 @@ def train_command(
     OUTPUT/checkpoints/step_NNNNNNNN/ (the student under model/: a transformers checkpoint, or one shard
     per tensor-parallel slice and stage on the megatron backend — see `mopd export-hf`).
     """
-    from mopd.train.trainer import run_training  # torch and transformers: imported for this command only
+    from mopd.train.export import export_hf  # torch and transformers: imported for this command only
+    from mopd.train.trainer import run_training
 
     config = load_config(config_path)
     console = stderr_console()
     log = plain_log(console)
     result = run_training(
-        config,
-        store_path=store_path,
-        output=output,
-        resume=resume,
-        max_steps=max_steps,
-        export=export,
-        log=log,
+        config, store_path=store_path, output=output, resume=resume, max_steps=max_steps, log=log
     )
     if result.checkpoint is not None:
         console.print(
             f"trained steps {result.first_step}..{result.last_step}; checkpoint {result.checkpoint}"
         )
+    if export is not None and result.reports:  # one process of a torchrun world exports
+        exported = export_hf(result.output, export)
+        log(f"exported {exported.name} as a transformers checkpoint: {export}")
 
 
 @click.command("export-hf")

@@ -11,8 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mopd.store.config import ParallelConfig
-from mopd.store.devices import resolve_device
+from mopd.config.parallel import ParallelConfig
 from mopd.store.errors import ConfigError
 
 
@@ -45,8 +44,9 @@ class ModelParallelGroup:
         return self.pp_rank == self.pp - 1
 
     @classmethod
-    def start(cls, parallel: ParallelConfig, device: str, *, what: str) -> ModelParallelGroup:
-        """Joins torchrun's process group (or makes a one-rank one) and megatron-core's parallel state.
+    def start(cls, parallel: ParallelConfig, device: torch.device, *, what: str) -> ModelParallelGroup:
+        """Joins torchrun's process group (or makes a one-rank one) and megatron-core's parallel state, on
+        this process's `device` (`store.devices.rank_device`).
 
         Raises:
             ConfigError: the world size is not a multiple of tp × pp, or megatron-core is missing.
@@ -57,19 +57,17 @@ class ModelParallelGroup:
             raise ConfigError(
                 f"the megatron backend needs megatron-core ({err}); pip install 'mopd[megatron]'"
             ) from err
-        where = resolve_device(device)
         owns = not dist.is_initialized()
         if owns:
-            _init_process_group(where)
+            _init_process_group(device)
         world = dist.get_world_size()
         if world % (parallel.tp * parallel.pp):
             raise ConfigError(
                 f"{what} tp={parallel.tp} × pp={parallel.pp} does not divide the {world} ranks; launch "
                 "a multiple of tp × pp processes"
             )
-        if where.type == "cuda":
-            where = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(where)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp
@@ -82,7 +80,7 @@ class ModelParallelGroup:
         )
         lead = next(rank for rank, t, p in places if t == 0 and p == parallel.pp - 1)
         return cls(
-            device=where,
+            device=device,
             tp=parallel.tp,
             pp=parallel.pp,
             tp_rank=tp_rank,

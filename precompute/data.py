@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mopd.store.config import DataConfig, RoutingConfig
+from mopd.config.precompute import DataConfig, RoutingConfig
 from mopd.store.errors import ConfigError
 
 FORMATS = ("input_ids", "messages", "prompt+completion", "text")
@@ -352,6 +352,33 @@ def _tokenize_batch(
     return out
 
 
+def _map_rows(
+    records: Any, tokenize: Any, processes: int | None, show_progress: bool, cache_file: Path | None
+) -> Any:
+    """`tokenize` over every row, in batches (`datasets.map`), into Arrow; the source's row order."""
+    import datasets
+
+    if show_progress:
+        datasets.enable_progress_bars()
+    environ = os.environ  # a map over several processes leaves another mapping bound to os.environ;
+    try:  # put the original back, which rich and every module that captured it still read
+        return records.map(
+            tokenize,
+            batched=True,
+            batch_size=1000,
+            with_indices=True,
+            remove_columns=list(records.column_names),
+            features=_row_features(),
+            num_proc=processes,
+            cache_file_name=str(cache_file) if cache_file is not None else None,
+            load_from_cache_file=False,
+            desc="tokenising rows",
+        )
+    finally:
+        datasets.disable_progress_bars()
+        os.environ = environ  # noqa: B003 - restoring the same object, not clearing it
+
+
 def tokenize_dataset(
     records: Any,
     *,
@@ -373,8 +400,6 @@ def tokenize_dataset(
     Raises:
         ConfigError: empty dataset, unsupported columns, missing routing column, unknown agent.
     """
-    import datasets
-
     columns = list(records.column_names)
     if len(records) == 0:
         raise ConfigError(f"data.path {data.path} holds no rows")
@@ -394,26 +419,7 @@ def tokenize_dataset(
         alias_index=dict(alias_index),
     )
     worth_it = num_proc is not None and num_proc > 1 and len(records) >= _ROWS_PER_PROCESS * num_proc
-    processes = num_proc if worth_it else None
-    if show_progress:
-        datasets.enable_progress_bars()
-    environ = os.environ  # a map over several processes leaves another mapping bound to os.environ;
-    try:  # put the original back, which rich and every module that captured it still read
-        mapped = records.map(
-            tokenize,
-            batched=True,
-            batch_size=1000,
-            with_indices=True,
-            remove_columns=columns,
-            features=_row_features(),
-            num_proc=processes,
-            cache_file_name=str(cache_file) if cache_file is not None else None,
-            load_from_cache_file=False,
-            desc="tokenising rows",
-        )
-    finally:
-        datasets.disable_progress_bars()
-        os.environ = environ  # noqa: B003 - restoring the same object, not clearing it
+    mapped = _map_rows(records, tokenize, num_proc if worth_it else None, show_progress, cache_file)
     if len(mapped) == 0:
         raise ConfigError(
             f"every row of {data.path} is longer than data.max_length={data.max_length} "

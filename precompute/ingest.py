@@ -27,8 +27,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from mopd.config.precompute import DataConfig, RoutingConfig
 from mopd.precompute.data import TokenizedRows, load_records, tokenize_dataset
-from mopd.store.config import DataConfig, RoutingConfig
 from mopd.store.errors import ConfigError
 from mopd.store.fingerprint import TOKENIZER_FILES
 from mopd.store.fsio import fsync_path, is_temporary, sha256_file
@@ -87,6 +87,29 @@ def _remove_stale(cache: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _publish(rows: TokenizedRows, inputs: dict[str, Any], work: Path, folder: Path) -> None:
+    """Writes the rows and their record into `work`, then renames it to `folder` (durably)."""
+    # Batches of a fixed row count, whatever chunks `map` made, and no schema metadata (datasets puts a
+    # random fingerprint there): the file's bytes are a function of the rows alone, so every job that
+    # ingests publishes the same file.
+    table = rows.table.replace_schema_metadata(None)
+    with pa.OSFile(str(work / ROWS_FILE), "wb") as sink, pa.ipc.new_file(sink, table.schema) as out:
+        for start in range(0, table.num_rows, _BATCH_ROWS):
+            out.write_batch(table.slice(start, _BATCH_ROWS).combine_chunks().to_batches()[0])
+    (work / META_FILE).write_bytes(canonical_json({"inputs": inputs, "rows": rows.meta}))
+    del table
+    for path in work.glob("map*.arrow"):  # unlinked while the caller's rows still map them: Linux keeps
+        path.unlink()  # a mapped file's pages until the mapping goes
+    for path in (work / ROWS_FILE, work / META_FILE, work):
+        fsync_path(path)
+    try:
+        os.rename(work, folder)
+    except OSError as err:  # another job published the same rows first: its folder serves
+        if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    fsync_path(folder.parent)
+
+
 def ingest(
     *,
     data: DataConfig,
@@ -134,25 +157,8 @@ def ingest(
             show_progress=show_progress,
             cache_file=work / "map.arrow",
         )
-        # Batches of a fixed row count, whatever chunks `map` made, and no schema metadata (datasets
-        # puts a random fingerprint there): the file's bytes are a function of the rows alone, so every
-        # job that ingests publishes the same file.
-        table = rows.table.replace_schema_metadata(None)
-        with pa.OSFile(str(work / ROWS_FILE), "wb") as sink, pa.ipc.new_file(sink, table.schema) as out:
-            for start in range(0, table.num_rows, _BATCH_ROWS):
-                out.write_batch(table.slice(start, _BATCH_ROWS).combine_chunks().to_batches()[0])
-        (work / META_FILE).write_bytes(canonical_json({"inputs": inputs, "rows": rows.meta}))
-        del rows, table  # the map's files go; the published copy is read back memory-mapped
-        for path in work.glob("map*.arrow"):
-            path.unlink()
-        for path in (work / ROWS_FILE, work / META_FILE, work):
-            fsync_path(path)
-        try:
-            os.rename(work, folder)
-        except OSError as err:  # another job published the same rows first: its folder serves
-            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-        fsync_path(cache)
+        _publish(rows, inputs, work, folder)
+        del rows  # the map's files went; the published copy is read back memory-mapped
         seconds = time.perf_counter() - started
         log(f"ingest: tokenised {data.path} in {seconds:.1f} s; the rows are cached in {folder}")
     finally:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from mopd.mcore.cpu_compat import megatron_device
 from mopd.mcore.parallel import ModelParallelGroup
-from mopd.precompute.hf_backend import HFTeacher, resolve_dtype
+from mopd.precompute.output_layer import CapturedModel, output_layer_only, resolve_dtype
 
 
 class MegatronTeacher:
@@ -43,14 +43,14 @@ class MegatronTeacher:
         self.hidden_size = self.shape.hidden_size
         self.model.requires_grad_(False)
         self.model.eval()
-        self._reference: HFTeacher | None = None
+        self._reference: CapturedModel | None = None
         if group.is_lead:
-            self._reference = HFTeacher.output_layer_only(
+            self._reference = output_layer_only(
                 checkpoint, dtype=self.dtype, trust_remote_code=trust_remote_code
             )
             self.transform = self._reference.transform
 
-    def _writer_part(self) -> HFTeacher:
+    def _writer_part(self) -> CapturedModel:
         assert self._reference is not None, "only the group's writer holds the output layer"
         return self._reference
 

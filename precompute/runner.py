@@ -8,26 +8,27 @@ completes the last task writes the manifest. Jobs share nothing but the store, s
 from __future__ import annotations
 
 import os
-import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
-import torch
 
+from mopd.config.mopd_config import MopdConfig
+from mopd.config.parallel import ParallelConfig
+from mopd.config.precompute import PrecomputeConfig
+from mopd.precompute.backends import HiddenStateSource, TeacherModel, load_teacher
 from mopd.precompute.data import TokenizedRows
-from mopd.precompute.hf_backend import HFTeacher, resolve_dtype
 from mopd.precompute.ingest import INGEST_DIR, ingest
+from mopd.precompute.output_layer import resolve_dtype
+from mopd.precompute.outputs import NoOutput, Output, StoreOutput
 from mopd.precompute.progress import TokenProgress
 from mopd.precompute.teachers import TeacherSet, load_tokenizer, resolve_teachers
 from mopd.store.batching import pack_batches, select_tasks
-from mopd.store.config import MopdConfig
-from mopd.store.devices import resolve_device
-from mopd.store.errors import ConfigError, StoreIntegrityError
+from mopd.store.devices import rank_device, resolve_device
+from mopd.store.errors import ConfigError
 from mopd.store.layout import plan_tasks, shard_rows
 from mopd.store.manifest import (
     DatasetInfo,
@@ -40,14 +41,15 @@ from mopd.store.manifest import (
     TeacherInfo,
     TokenizerInfo,
 )
-from mopd.store.tasks import HiddenShardWriter, write_lm_head, write_rows
-from mopd.store.transform import LogitTransform
-from mopd.store.version import __version__
 from mopd.store.writer import StoreWriter
+
+if TYPE_CHECKING:
+    from mopd.mcore.parallel import ModelParallelGroup
+
+Task: TypeAlias = RowsTask | HeadTask | ShardTask
 
 # The inner chunk: the unit a read decodes (bench/README.md, "scale.py", measures the choice).
 CHUNK_BYTES = 256 << 10
-_STORAGE_TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass
@@ -128,111 +130,198 @@ def build_plan(
     )
 
 
-class HiddenStateSource(Protocol):
-    """What a hidden-state task needs of a loaded teacher."""
-
-    checkpoint: str
-    hidden_size: int
-
-    def hidden_states(self, rows: Sequence[np.ndarray]) -> list[torch.Tensor]: ...
-
-
-class TeacherModel(HiddenStateSource, Protocol):
-    """A loaded teacher of any backend: hidden states, its output layer and the proof that they agree."""
-
-    transform: LogitTransform
-
-    def lm_head(self) -> torch.Tensor: ...
-
-    def check_capture(self, rows: Sequence[np.ndarray]) -> float: ...
-
-    def close(self) -> None: ...
-
-
-def load_teacher(
-    config: MopdConfig, backend: str, checkpoint: str, *, max_model_len: int, group: Any = None
-) -> TeacherModel:
-    """Loads one teacher checkpoint with `backend` (vllm and megatron are imported only when asked for;
-    `group` is the megatron backend's ModelParallelGroup)."""
-    pc = config.precompute
-    if backend == "hf":
-        return HFTeacher(checkpoint, device=pc.device, dtype=pc.dtype, trust_remote_code=pc.trust_remote_code)
-    if backend == "vllm":
-        from mopd.precompute.vllm_backend import VLLMTeacher
-
-        return VLLMTeacher(
-            checkpoint,
-            max_model_len=max_model_len,
-            batch_tokens=pc.batch_tokens,
-            device=pc.device,
-            dtype=pc.dtype,
-            trust_remote_code=pc.trust_remote_code,
+def check_backend(backend: str, parallel: ParallelConfig) -> None:
+    if backend != "megatron" and parallel.tp * parallel.pp > 1:
+        raise ConfigError(
+            f"precompute.parallel tp={parallel.tp} × pp={parallel.pp} needs the megatron backend (under "
+            f"torchrun); the {backend} backend runs each teacher whole in one process: set tp = pp = 1 or "
+            "use --backend megatron"
         )
-    if backend == "megatron":
-        from mopd.precompute.megatron_backend import MegatronTeacher
-
-        return MegatronTeacher(
-            checkpoint, group=group, dtype=pc.dtype, trust_remote_code=pc.trust_remote_code
-        )
-    raise ConfigError(f"precompute.backend {backend!r} is not one of hf, vllm, megatron")
 
 
-def task_batches(task: ShardTask, rows: TokenizedRows, config: MopdConfig) -> list[np.ndarray]:
+def ingest_rows(
+    config: MopdConfig, teachers: TeacherSet, store: Path, *, show_progress: bool, log: Callable[[str], Any]
+) -> TokenizedRows:
+    """The dataset's rows, tokenised and routed; the first job of a store ingests, later ones read."""
+    trust_remote_code = config.precompute.trust_remote_code
+    return ingest(
+        data=config.data,
+        routing=config.routing,
+        agent_to_alias=config.agent_to_alias(),
+        alias_index=teachers.alias_index,
+        tokenizer_path=teachers.tokenizer_path,
+        load_tokenizer=lambda: load_tokenizer(teachers.tokenizer_path, trust_remote_code=trust_remote_code),
+        cache=store / INGEST_DIR,
+        num_proc=config.data.num_proc or min(8, os.cpu_count() or 1),
+        show_progress=show_progress,
+        log=log,
+    )
+
+
+def start_job(
+    backend: str, settings: PrecomputeConfig, num_tasks: int, task_index: int
+) -> tuple[ModelParallelGroup | None, int, int]:
+    """The megatron backend's model-parallel group (None for the others) and this job's share of the
+    tasks as (num_tasks, task_index): each tp × pp group of the world is one job of the split."""
+    if backend != "megatron":
+        return None, num_tasks, task_index
+    from mopd.mcore.parallel import ModelParallelGroup
+
+    group = ModelParallelGroup.start(
+        settings.parallel, rank_device(settings.device), what="precompute.parallel"
+    )
+    return group, num_tasks * group.dp_size, task_index * group.dp_size + group.dp_rank
+
+
+def task_batches(task: ShardTask, rows: TokenizedRows, batch_tokens: int) -> list[np.ndarray]:
     """The row batches of a hidden-state task, in processing order (the same on every rank)."""
     row_ids = shard_rows(rows.teacher_index, task)
-    return pack_batches(row_ids, rows.lengths[row_ids], batch_tokens=config.precompute.batch_tokens)
-
-
-def follow_hidden_tasks(
-    tasks: list[ShardTask], teachers: TeacherSet, rows: TokenizedRows, config: MopdConfig, group: Any
-) -> None:
-    """A megatron rank that is not its group's writer: runs every batch the writer runs, writes nothing."""
-    for slot in teachers.slots:
-        mine = [t for t in tasks if t.teacher == slot.index]
-        if not mine:
-            continue
-        teacher = load_teacher(
-            config, "megatron", slot.checkpoint, max_model_len=int(rows.lengths.max()), group=group
-        )
-        try:
-            for task in mine:
-                for batch in task_batches(task, rows, config):
-                    teacher.hidden_states([rows.input_ids[r] for r in batch])
-        finally:
-            teacher.close()
+    return pack_batches(row_ids, rows.lengths[row_ids], batch_tokens=batch_tokens)
 
 
 def run_hidden_task(
-    writer: StoreWriter,
+    output: Output,
     task: ShardTask,
     teacher: HiddenStateSource,
     rows: TokenizedRows,
-    config: MopdConfig,
+    batch_tokens: int,
     progress: TokenProgress,
 ) -> None:
-    lengths = rows.lengths
-    batches = task_batches(task, rows, config)
+    batches = task_batches(task, rows, batch_tokens)
     order = np.concatenate(batches)  # stored in processing order; the shard records it in row_ids
-    storage_dtype = _STORAGE_TORCH_DTYPE[config.store.dtype]
-    with writer.task(task.task_id) as out:
-        shard = HiddenShardWriter(
-            out,
-            row_ids=order,
-            lengths=lengths[order],
-            hidden_size=teacher.hidden_size,
-            dtype=config.store.dtype,
-        )
+    with output.shard(task, teacher, rows, order) as append:
         for batch in batches:
-            hidden = teacher.hidden_states([rows.input_ids[r] for r in batch])
-            for row, states in zip(batch, hidden, strict=True):
-                if not torch.isfinite(states).all():
-                    raise StoreIntegrityError(
-                        f"teacher {task.teacher} ({teacher.checkpoint}) produced non-finite hidden states "
-                        f"for row {row} (source key {rows.source_keys[row]}); nothing of the task was written"
-                    )
-                shard.append(int(row), states.to(storage_dtype))
-            progress.advance(rows=len(batch), tokens=int(lengths[batch].sum()))
-        shard.close()
+            append(batch, teacher.hidden_states([rows.input_ids[r] for r in batch]))
+            progress.advance(rows=len(batch), tokens=int(rows.lengths[batch].sum()))
+
+
+def run_teacher_tasks(
+    output: Output,
+    teacher: TeacherModel,
+    tasks: list[HeadTask | ShardTask],
+    rows: TokenizedRows,
+    batch_tokens: int,
+    progress: TokenProgress,
+) -> None:
+    """One loaded teacher's tasks, after the proof that its capture rebuilds its logits; closes it."""
+    try:
+        index = tasks[0].teacher
+        first_rows = [rows.input_ids[r] for r in np.flatnonzero(rows.teacher_index == index)[:4]]
+        output.check_capture(teacher, first_rows or [rows.input_ids[0][:16]])
+        for task in tasks:
+            if isinstance(task, HeadTask):
+                output.head(task, teacher)
+            else:
+                run_hidden_task(output, task, teacher, rows, batch_tokens, progress)
+    finally:
+        teacher.close()
+
+
+def compute_dtype(settings: PrecomputeConfig) -> str:
+    """The dtype the teachers compute in, as the plan records it."""
+    return str(resolve_dtype(settings.dtype, resolve_device(settings.device))).removeprefix("torch.")
+
+
+def open_output(store: Path, plan: Plan, hidden_dtype: str, group: ModelParallelGroup | None) -> Output:
+    """The store, for a job's writer; nothing, for the other ranks of a megatron group."""
+    if group is None or group.is_lead:
+        return StoreOutput(StoreWriter.open(store, plan), hidden_dtype)
+    return NoOutput()
+
+
+def describe_share(store: Path, plan: Plan, share: Share, rows: TokenizedRows, max_length: int) -> str:
+    return (
+        f"store {store}: {len(plan.tasks)} tasks, {len(share.selected)} for this job ({len(share.skipped)} "
+        f"already done); {rows.num_rows} rows, {int(rows.lengths.sum())} tokens, {rows.num_truncated} "
+        f"truncated and {rows.num_dropped} dropped at data.max_length {max_length}"
+    )
+
+
+@dataclass(frozen=True)
+class Share:
+    """This job's tasks: those the split gives it, those of them already done, and those left to run
+    (in plan order; on every rank of a megatron group, its writer's list)."""
+
+    selected: set[str]
+    skipped: set[str]
+    todo: list[Task]
+
+
+def job_share(
+    plan: Plan, output: Output, group: ModelParallelGroup | None, num_tasks: int, task_index: int
+) -> Share:
+    selected = set(select_tasks([t.task_id for t in plan.tasks], num_tasks=num_tasks, task_index=task_index))
+    done = output.done()
+    todo = [t.task_id for t in plan.tasks if t.task_id in selected and t.task_id not in done]
+    if group is not None:
+        todo = group.share(todo)
+    chosen = set(todo)
+    return Share(selected, selected & done, [t for t in plan.tasks if t.task_id in chosen])
+
+
+def run_tasks(
+    output: Output,
+    todo: list[Task],
+    teachers: TeacherSet,
+    rows: TokenizedRows,
+    settings: PrecomputeConfig,
+    backend: str,
+    group: ModelParallelGroup | None,
+    show_progress: bool,
+) -> float:
+    """Every task of `todo` through the function of its kind; each teacher is loaded once, for all of
+    its tasks, one teacher at a time. Returns the tokens per second of the hidden-state tasks."""
+    start = time.perf_counter()
+    with TokenProgress(**hidden_totals(todo, rows), enabled=show_progress) as progress:
+        for task in (t for t in todo if isinstance(t, RowsTask)):
+            output.rows(task, rows)
+        for slot in teachers.slots:
+            mine = [t for t in todo if isinstance(t, HeadTask | ShardTask) and t.teacher == slot.index]
+            if mine:
+                progress.describe(f"teacher {slot.index} ({', '.join(slot.aliases)})")
+                length = int(rows.lengths.max())
+                teacher = load_teacher(settings, backend, slot.checkpoint, max_model_len=length, group=group)
+                run_teacher_tasks(output, teacher, mine, rows, settings.batch_tokens, progress)
+    return progress.tokens / max(time.perf_counter() - start, 1e-9)
+
+
+def hidden_totals(todo: list[Task], rows: TokenizedRows) -> dict[str, int]:
+    """Rows and tokens of the hidden-state tasks of `todo`: each row is in exactly one such task."""
+    row_ids = [shard_rows(rows.teacher_index, t) for t in todo if isinstance(t, ShardTask)]
+    return {
+        "total_rows": sum(r.shape[0] for r in row_ids),
+        "total_tokens": sum(int(rows.lengths[r].sum()) for r in row_ids),
+    }
+
+
+def precompute_result(
+    store: Path,
+    plan: Plan,
+    share: Share,
+    rows: TokenizedRows,
+    manifest: Manifest | None,
+    tokens_per_s: float,
+    writes: bool,
+) -> PrecomputeResult:
+    totals: dict[int, TeacherStats] = {}
+    for shard in manifest.shards if manifest is not None else []:
+        stats = totals.setdefault(shard.teacher, TeacherStats())
+        stats.rows += shard.rows
+        stats.tokens += shard.tokens
+        stats.bytes += shard.bytes
+    return PrecomputeResult(
+        store=store,
+        tasks_total=len(plan.tasks),
+        tasks_selected=len(share.selected),
+        tasks_computed=[t.task_id for t in share.todo],
+        tasks_skipped=len(share.skipped),
+        num_truncated=rows.num_truncated,
+        num_dropped=rows.num_dropped,
+        manifest=manifest,
+        per_teacher=totals,
+        tokens_per_s=tokens_per_s,
+        writes=writes,
+    )
 
 
 def run_precompute(
@@ -247,135 +336,25 @@ def run_precompute(
 ) -> PrecomputeResult:
     """Runs this job's share of the precompute and finalizes the store if every task is done.
 
-    Raises:
-        ConfigError: bad config, data or checkpoints (each message names what and how to fix it).
-        ManifestError: the store path holds a store of another run.
-        StoreIntegrityError: non-finite teacher outputs, or a published task with other content.
+    Raises ConfigError (bad config, data or checkpoints), ManifestError (the store path holds another
+    run's store) or StoreIntegrityError (non-finite teacher outputs, a published task changed).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # mopd never downloads at run time
-    backend = backend or config.precompute.backend
-    parallel = config.precompute.parallel
-    if backend != "megatron" and parallel.tp * parallel.pp > 1:
-        raise ConfigError(
-            f"precompute.parallel tp={parallel.tp} × pp={parallel.pp} needs the megatron backend (under "
-            f"torchrun); the {backend} backend runs each teacher whole in one process: set tp = pp = 1 or "
-            "use --backend megatron"
-        )
-    store = Path(store_path or config.store.path)
-    teachers = resolve_teachers(config)
-    rows = ingest(
-        data=config.data,
-        routing=config.routing,
-        agent_to_alias=config.agent_to_alias(),
-        alias_index=teachers.alias_index,
-        tokenizer_path=teachers.tokenizer_path,
-        load_tokenizer=lambda: load_tokenizer(
-            teachers.tokenizer_path, trust_remote_code=config.precompute.trust_remote_code
-        ),
-        cache=store / INGEST_DIR,
-        num_proc=config.data.num_proc or min(8, os.cpu_count() or 1),
-        show_progress=show_progress,
-        log=log,
+    settings, backend = config.precompute, backend or config.precompute.backend
+    check_backend(backend, settings.parallel)
+    store, teachers = (
+        Path(store_path or config.store.path),
+        resolve_teachers(config.teachers, config.tokenizer),
     )
-    device = resolve_device(config.precompute.device)
-    compute_dtype = str(resolve_dtype(config.precompute.dtype, device)).removeprefix("torch.")
-    plan = build_plan(config, teachers, rows, backend, compute_dtype)
-    group = None
-    if backend == "megatron":  # each tp × pp group of the world is one job of the task split
-        from mopd.mcore.parallel import ModelParallelGroup
+    rows = ingest_rows(config, teachers, store, show_progress=show_progress, log=log)
+    plan = build_plan(config, teachers, rows, backend, compute_dtype(settings))
 
-        group = ModelParallelGroup.start(
-            config.precompute.parallel, config.precompute.device, what="precompute.parallel"
-        )
-        num_tasks, task_index = num_tasks * group.dp_size, task_index * group.dp_size + group.dp_rank
-    selected = set(select_tasks([t.task_id for t in plan.tasks], num_tasks=num_tasks, task_index=task_index))
-    if group is not None and not group.is_lead:
-        todo_ids = set(group.share([]))
-        follow_hidden_tasks(
-            [t for t in plan.tasks if isinstance(t, ShardTask) and t.task_id in todo_ids],
-            teachers,
-            rows,
-            config,
-            group,
-        )
-        return PrecomputeResult(store, len(plan.tasks), len(selected), [], 0, 0, 0, None, writes=False)
-    writer = StoreWriter.open(store, plan)
-    done = writer.done_tasks()
-    todo = [t for t in plan.tasks if t.task_id in selected and t.task_id not in done]
-    if group is not None:
-        group.share([t.task_id for t in todo])
-    log(
-        f"store {store}: {len(plan.tasks)} tasks, {len(selected)} for this job "
-        f"({len(selected & done)} already done); {rows.num_rows} rows, {int(rows.lengths.sum())} tokens, "
-        f"{rows.num_truncated} truncated and {rows.num_dropped} dropped at data.max_length "
-        f"{config.data.max_length}"
-    )
-    computed: list[str] = []
-    # Each row is in exactly one hidden task, so the job's totals are plain sums over its tasks.
-    todo_rows = [shard_rows(rows.teacher_index, t) for t in todo if isinstance(t, ShardTask)]
-    start = time.perf_counter()
-    with TokenProgress(
-        total_rows=sum(r.shape[0] for r in todo_rows),
-        total_tokens=sum(int(rows.lengths[r].sum()) for r in todo_rows),
-        enabled=show_progress,
-    ) as progress:
-        for task in todo:
-            if isinstance(task, RowsTask):
-                with writer.task(task.task_id) as out:
-                    write_rows(
-                        out,
-                        input_ids=rows.input_ids.pieces(),
-                        loss_mask=rows.loss_mask.pieces(),
-                        offsets=rows.input_ids.offsets,
-                        teacher_index=rows.teacher_index,
-                        source_keys=rows.source_keys,
-                    )
-                computed.append(task.task_id)
-        for slot in teachers.slots:
-            mine = [t for t in todo if isinstance(t, HeadTask | ShardTask) and t.teacher == slot.index]
-            if not mine:
-                continue
-            progress.describe(f"teacher {slot.index} ({', '.join(slot.aliases)})")
-            teacher = load_teacher(
-                config, backend, slot.checkpoint, max_model_len=int(rows.lengths.max()), group=group
-            )
-            try:
-                first_rows = [rows.input_ids[r] for r in np.flatnonzero(rows.teacher_index == slot.index)[:4]]
-                teacher.check_capture(first_rows or [rows.input_ids[0][:16]])
-                for task in mine:
-                    if isinstance(task, HeadTask):
-                        with writer.task(task.task_id) as out:
-                            write_lm_head(
-                                out,
-                                teacher.lm_head(),
-                                logit_scale=teacher.transform.logit_scale,
-                                final_logit_softcap=teacher.transform.final_logit_softcap,
-                            )
-                    else:
-                        run_hidden_task(writer, task, teacher, rows, config, progress)
-                    computed.append(task.task_id)
-            finally:
-                teacher.close()
-    elapsed = time.perf_counter() - start
-    manifest = writer.finalize(
-        created_by=f"mopd {__version__}",
-        volatile={"finalized_at": datetime.now(UTC).isoformat(timespec="seconds"), "host": platform.node()},
-    )
-    result = PrecomputeResult(
-        store=store,
-        tasks_total=len(plan.tasks),
-        tasks_selected=len(selected),
-        tasks_computed=computed,
-        tasks_skipped=len(selected & done),
-        num_truncated=rows.num_truncated,
-        num_dropped=rows.num_dropped,
-        manifest=manifest,
-        tokens_per_s=progress.tokens / elapsed if elapsed > 0 else 0.0,
-    )
-    if manifest is not None:
-        for shard in manifest.shards:
-            stats = result.per_teacher.setdefault(shard.teacher, TeacherStats())
-            stats.rows += shard.rows
-            stats.tokens += shard.tokens
-            stats.bytes += shard.bytes
-    return result
+    group, num_tasks, task_index = start_job(backend, settings, num_tasks, task_index)
+    output = open_output(store, plan, config.store.dtype, group)
+    share = job_share(plan, output, group, num_tasks, task_index)
+    if output.writes:
+        log(describe_share(store, plan, share, rows, config.data.max_length))
+
+    progress = show_progress and output.writes
+    tokens_per_s = run_tasks(output, share.todo, teachers, rows, settings, backend, group, progress)
+    return precompute_result(store, plan, share, rows, output.finalize(), tokens_per_s, output.writes)

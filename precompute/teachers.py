@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mopd.store.config import MopdConfig
 from mopd.store.errors import ConfigError
 from mopd.store.fingerprint import checkpoint_fingerprint, tokenizer_vocab, vocab_hash
 from mopd.store.teachers import TeacherSlot, alias_to_index, assign_teacher_indices
@@ -25,20 +25,21 @@ class TeacherSet:
         return alias_to_index(self.slots)
 
 
-def resolve_teachers(config: MopdConfig) -> TeacherSet:
-    """Numbers the teachers, fingerprints them and checks they share the tokenizer's vocabulary.
+def resolve_teachers(teachers: Mapping[str, str], tokenizer: str | None = None) -> TeacherSet:
+    """Numbers the teachers (alias → checkpoint), fingerprints them and checks they share the vocabulary of
+    `tokenizer` (default: the first teacher's).
 
     Raises:
         ConfigError: a checkpoint does not exist or is unreadable, or a vocabulary differs.
     """
-    slots = assign_teacher_indices(config.teachers)
+    slots = assign_teacher_indices(teachers)
     for slot in slots:
         if not Path(slot.checkpoint).is_dir():
             raise ConfigError(
                 f"teachers.{slot.aliases[0]}: checkpoint {slot.checkpoint} does not exist (mopd loads local "
                 "checkpoints only; download it first)"
             )
-    tokenizer_path = config.tokenizer or slots[0].checkpoint
+    tokenizer_path = tokenizer or slots[0].checkpoint
     expected = vocab_hash(tokenizer_path)
     for slot in slots:
         if vocab_hash(slot.checkpoint) != expected:

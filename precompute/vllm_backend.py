@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mopd.precompute.hf_backend import HFTeacher, resolve_dtype
+from mopd.precompute.output_layer import output_layer_only, resolve_dtype
 from mopd.store.devices import resolve_device
 from mopd.store.errors import ConfigError, StoreIntegrityError
 
@@ -95,9 +95,7 @@ class VLLMTeacher:
             )
         self.dtype = resolve_dtype(dtype, self.device)
         dtype_name = str(self.dtype).removeprefix("torch.")
-        self._reference = HFTeacher.output_layer_only(
-            checkpoint, dtype=self.dtype, trust_remote_code=trust_remote_code
-        )
+        self._reference = output_layer_only(checkpoint, dtype=self.dtype, trust_remote_code=trust_remote_code)
         self.transform = self._reference.transform
         self.hidden_size = self._reference.hidden_size
         self.vocab_size = self._reference.vocab_size

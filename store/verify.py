@@ -11,14 +11,13 @@ import hashlib
 import multiprocessing
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 from mopd.store.arrays import storage_dtype
 from mopd.store.chunks import array_header
 from mopd.store.completion import check_complete
-from mopd.store.config import MopdConfig
 from mopd.store.errors import ConfigError, MopdError
 from mopd.store.fingerprint import fingerprint_for_format
 from mopd.store.fsio import SafePaths, is_temporary, sha256_file
@@ -227,12 +226,14 @@ def store_teachers(manifest: Manifest) -> list[TeacherIdentity]:
     return [TeacherIdentity(t.index, t.checkpoint, t.fingerprint) for t in manifest.teachers]
 
 
-def _config_fingerprints(config: MopdConfig, format_version: int) -> tuple[dict[str, str | None], list[str]]:
+def _config_fingerprints(
+    teachers: Mapping[str, str], format_version: int
+) -> tuple[dict[str, str | None], list[str]]:
     """The fingerprint of each configured checkpoint that is reachable here (None elsewhere), as the
     store's format defines fingerprints; plus warnings."""
     found: dict[str, str | None] = {}
     warnings = []
-    for slot in assign_teacher_indices(config.teachers):
+    for slot in assign_teacher_indices(teachers):
         found[slot.checkpoint] = None
         if not Path(slot.checkpoint).is_dir():
             warnings.append(f"checkpoint {slot.checkpoint} is not reachable here; compared by path only")
@@ -244,15 +245,15 @@ def _config_fingerprints(config: MopdConfig, format_version: int) -> tuple[dict[
     return found, warnings
 
 
-def check_config(manifest: Manifest, config: MopdConfig) -> tuple[list[str], list[str]]:
-    """The config's teachers are the store's: the same bytes at the same index, and every alias both
-    name points at the same teacher (renaming aliases is fine; swapping two is not).
+def check_config(manifest: Manifest, teachers: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """The config's teachers (alias → checkpoint) are the store's: the same bytes at the same index, and
+    every alias both name points at the same teacher (renaming aliases is fine; swapping two is not).
 
     Returns:
         (problems, warnings).
     """
-    fingerprints, warnings = _config_fingerprints(config, manifest.format_version)
-    slots = assign_teacher_indices(config.teachers)
+    fingerprints, warnings = _config_fingerprints(teachers, manifest.format_version)
+    slots = assign_teacher_indices(teachers)
     stored = {t.index: t for t in manifest.teachers}
 
     def same(teacher: TeacherEntry, slot: TeacherSlot) -> bool:
@@ -302,12 +303,13 @@ def check_config(manifest: Manifest, config: MopdConfig) -> tuple[list[str], lis
 def verify_store(
     root: str | Path,
     *,
-    config: MopdConfig | None = None,
+    teachers: Mapping[str, str] | None = None,
     checkpoint: str | Path | None = None,
     full: bool = False,
     threads: int | None = None,
 ) -> tuple[list[str], list[str]]:
-    """Checks a store, and optionally a config and a training checkpoint against it.
+    """Checks a store, and optionally a config's teachers (alias → checkpoint) and a training checkpoint
+    against it.
 
     Returns:
         (problems, warnings): each one line; the store is sound and agrees when `problems` is empty.
@@ -320,8 +322,8 @@ def verify_store(
     problems: list[str] = []
     warnings: list[str] = []
     problems += _check_store(root, manifest, full=full, threads=threads or HASH_THREADS)
-    if config is not None:
-        found, config_warnings = check_config(manifest, config)
+    if teachers is not None:
+        found, config_warnings = check_config(manifest, teachers)
         problems += found
         warnings += config_warnings
     if checkpoint is not None:

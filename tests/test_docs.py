@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from mopd.cli.main import cli
-from mopd.store.config import MopdConfig
+from mopd.config.mopd_config import MopdConfig
 from tests.train.divergence_cases import make_case
 from tests.train.world import World
 
@@ -152,3 +152,19 @@ def test_every_python_example_runs(source: str, code: str, world: World) -> None
         "mask": (case.weights > 0).float(),
     }
     exec(compile(code.replace('"out/teachers.zarr"', repr(str(world.store))), source, "exec"), namespace)
+
+
+def test_architecture_names_every_module_and_only_modules_that_exist() -> None:
+    """docs/architecture.md stays in step with the tree: it names each library module, and each
+    `folder/module.py` it names exists; it stays one page."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`((?:store|config|mcore|precompute|train|cli)/[a-z_]+\.py)`", text))
+    tree = {
+        path.relative_to(ROOT).as_posix()
+        for folder in ("store", "config", "mcore", "precompute", "train", "cli")
+        for path in (ROOT / folder).glob("*.py")
+        if not path.name.startswith("__")
+    }
+    assert sorted(tree - named) == [], "modules docs/architecture.md does not name"
+    assert sorted(named - tree) == [], "modules docs/architecture.md names that do not exist"
+    assert len(text.splitlines()) <= 100

@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 
 from mopd.cli.quickstart import FULL, quickstart_config
-from mopd.store.config import load_config
+from mopd.config.mopd_config import load_config
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 IN_WORKDIR = "../mopd-quickstart/"

@@ -1,5 +1,6 @@
-"""Guard: store/ at the bottom, then mcore/ (Megatron-core models); precompute/ and train/ above them,
-never importing each other; cli/ on top."""
+"""Guard: store/ at the bottom, then config/ (the YAML config's model, which the store never needs),
+mcore/ (Megatron-core models); precompute/ and train/ above them, never importing each other; cli/ on
+top."""
 
 from __future__ import annotations
 
@@ -7,16 +8,21 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LAYERS = ("store", "mcore", "precompute", "train", "cli")
+LAYERS = ("store", "config", "mcore", "precompute", "train", "cli")
 ALLOWED = {
     "store": {"store"},
-    "mcore": {"store", "mcore"},
-    "precompute": {"store", "mcore", "precompute"},
-    "train": {"store", "mcore", "train"},
-    "cli": {"store", "mcore", "precompute", "train", "cli"},
+    "config": {"store", "config"},
+    "mcore": {"store", "config", "mcore"},
+    "precompute": {"store", "config", "mcore", "precompute"},
+    "train": {"store", "config", "mcore", "train"},
+    "cli": {"store", "config", "mcore", "precompute", "train", "cli"},
 }
-# The store is read by plain numerical code; distributed process groups belong to the trainer.
-FORBIDDEN_MODULES = {"store": ("torch.distributed", "click", "transformers")}
+# The store is read by plain numerical code; distributed process groups belong to the trainer. mcore
+# takes its parallel layout from the config package, never from the store's config module.
+FORBIDDEN_MODULES = {
+    "store": ("torch.distributed", "click", "transformers"),
+    "mcore": ("mopd.store.config",),
+}
 
 
 def imported_modules(path: Path) -> list[str]:
@@ -45,6 +51,17 @@ def test_layers_import_only_downwards() -> None:
                     violations.append(f"{path.relative_to(REPO)} imports {module}")
     assert checked > 10
     assert violations == []
+
+
+def test_the_store_defines_only_its_own_config_section() -> None:
+    """Training, optimiser and parallelism settings live in config/, not in the store."""
+    sections = [
+        f"{path.relative_to(REPO)}:{node.name}"
+        for path in sorted((REPO / "store").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and any(getattr(b, "id", None) == "Section" for b in node.bases)
+    ]
+    assert sections == ["store/config.py:StoreConfig"]
 
 
 def test_guard_catches_a_violation(tmp_path: Path) -> None:

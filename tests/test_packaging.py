@@ -38,7 +38,7 @@ def test_wheel_contains_every_module(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {
         f"mopd/{p.relative_to(REPO).as_posix()}"
-        for top in ("store", "mcore", "precompute", "train", "cli")
+        for top in ("store", "config", "mcore", "precompute", "train", "cli")
         for p in (REPO / top).rglob("*.py")
     }
     assert expected <= names, sorted(expected - names)

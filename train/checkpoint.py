@@ -43,7 +43,7 @@ from mopd.store.fsio import is_temporary, publish_dir, unique_temp_name, write_r
 from mopd.store.jsonio import describe_location, read_json
 from mopd.store.teachers import TeacherIdentity, write_teacher_list
 from mopd.train.data_order import LoaderState
-from mopd.train.distributed import DataParallel
+from mopd.train.distributed import RankGroup
 from mopd.train.student import TrainStudent
 
 _NAME = re.compile(r"^step_(\d{8})$")
@@ -96,7 +96,7 @@ def save_checkpoint(
     teachers: Sequence[TeacherIdentity],
     run: dict[str, Any],
     keep: int,
-    world: DataParallel | None = None,
+    world: RankGroup | None = None,
 ) -> Path:
     """Writes and publishes the checkpoint of `step`, then drops complete ones older than the last `keep`.
 
@@ -104,7 +104,7 @@ def save_checkpoint(
     write it into the temporary folder rank 0 made, and rank 0 publishes once they all have. `run` is
     the run record (`run_record.run_record`) a resume must match.
     """
-    world = world or DataParallel()
+    world = world or RankGroup()
     final = root / checkpoint_name(step)
     made = None
     if world.rank == 0:

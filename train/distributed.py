@@ -1,4 +1,6 @@
-"""The data-parallel group of a training run: torchrun's environment, or an already initialised group.
+"""Groups of a training run's ranks: the world (torchrun's environment, or an already initialised group)
+and the student's data-parallel replicas (the world on the hf backend; one rank of each model-parallel
+group on the megatron backend).
 
 Gradients are summed across ranks once per optimiser step, after every microbatch of the step has run
 its backward, in one flat all-reduce per bucket. The loss is normalised by the global trained-token
@@ -20,14 +22,17 @@ _BUCKET_ELEMENTS = 1 << 24  # 64 MiB of fp32 per all-reduce
 
 
 @dataclass
-class DataParallel:
+class RankGroup:
+    """Some ranks of the run and this process's place among them; on one rank every collective is a
+    no-op. `group` None is the default (world) process group."""
+
     rank: int = 0
     size: int = 1
     group: Any = None
     owns_group: bool = False
 
     @classmethod
-    def from_environment(cls, device: torch.device) -> DataParallel:
+    def from_environment(cls, device: torch.device) -> RankGroup:
         """The default process group: the one already initialised, or one from torchrun's variables."""
         if dist.is_available() and dist.is_initialized():
             return cls(dist.get_rank(), dist.get_world_size())

@@ -31,7 +31,7 @@ class MicroBatch:
     input_ids: torch.Tensor  # [B, L] int64, right-padded with 0
     attention_mask: torch.Tensor  # [B, L] int64
     loss_mask: torch.Tensor  # [B, L] bool, False on padding
-    token_teacher: torch.Tensor  # [N] teacher index of each trained token
+    teacher_index: torch.Tensor  # [N] teacher index of each trained token
     token_row: torch.Tensor  # [N] batch position of each trained token's row
     labels: torch.Tensor  # [N] the token each trained position predicts (IGNORE where none)
     teacher_hidden: dict[int, torch.Tensor]  # teacher -> [N_t, H_t], its trained tokens in order
@@ -42,7 +42,7 @@ class MicroBatch:
 
     @property
     def num_trained(self) -> int:
-        return int(self.token_teacher.shape[0])
+        return int(self.teacher_index.shape[0])
 
     def to(self, device: torch.device) -> MicroBatch:
         move = lambda x: x.to(device, non_blocking=True)  # noqa: E731
@@ -51,7 +51,7 @@ class MicroBatch:
             input_ids=move(self.input_ids),
             attention_mask=move(self.attention_mask),
             loss_mask=move(self.loss_mask),
-            token_teacher=self.token_teacher,
+            teacher_index=self.teacher_index,
             token_row=move(self.token_row),
             labels=move(self.labels),
             teacher_hidden={t: move(h) for t, h in self.teacher_hidden.items()},
@@ -104,14 +104,14 @@ def _collate(rows: np.ndarray, stored: list[Row], states: list[torch.Tensor | No
         labels[b, : length - 1] = row.input_ids[1:]
         if state is not None:
             hidden.setdefault(row.teacher_index, []).append(state[row.loss_mask])
-    teacher_of_row = torch.tensor([row.teacher_index for row in stored], dtype=torch.long)
+    row_teacher_index = torch.tensor([row.teacher_index for row in stored], dtype=torch.long)
     token_row = loss_mask.nonzero()[:, 0]
     return MicroBatch(
         rows=np.asarray(rows, dtype=np.int64),
         input_ids=input_ids,
         attention_mask=attention,
         loss_mask=loss_mask,
-        token_teacher=teacher_of_row[token_row],
+        teacher_index=row_teacher_index[token_row],
         token_row=token_row,
         labels=labels[loss_mask],
         teacher_hidden={t: torch.cat(parts) for t, parts in hidden.items()},

@@ -22,7 +22,7 @@ from mopd.mcore.model import load_stage, load_state, stage_forward
 from mopd.mcore.parallel import ModelParallelGroup
 from mopd.store.errors import ConfigError
 from mopd.store.manifest import Manifest
-from mopd.train.distributed import DataParallel, sum_gradients
+from mopd.train.distributed import RankGroup, sum_gradients
 from mopd.train.student import LossFn, check_tokenizer, copy_tokenizer
 
 
@@ -125,11 +125,11 @@ class MegatronStudent:
         """Leaves megatron-core's parallel state (and the process group, where `group` made it)."""
         self.group.close()
 
-    def data_parallel(self) -> DataParallel:
+    def data_parallel(self) -> RankGroup:
         """The replicas of this rank's stage and slice: they sum gradients, and split the data."""
         from megatron.core import parallel_state
 
-        return DataParallel(
+        return RankGroup(
             self.group.dp_rank, self.group.dp_size, group=parallel_state.get_data_parallel_group()
         )
 

@@ -8,10 +8,53 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
+
+
+class DivergenceStats(TypedDict):
+    """The per-token divergence of a step's (or an evaluation's) trained tokens, over all replicas."""
+
+    divergence: float  # mean over the tokens
+    divergence_by_teacher: dict[str, float]  # mean over each teacher's tokens, by teacher index
+    divergence_min: float
+    divergence_max: float
+    trained_tokens: int
+
+
+class EvalRecord(DivergenceStats):
+    """One evaluation of the held-out rows: a line of metrics.jsonl."""
+
+    split: Literal["eval"]
+    step: int
+
+
+class StepOutcome(DivergenceStats):
+    """What one optimiser step did."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int  # all tokens of the step, over the replicas
+    memory_gib: float
+
+
+class Lap(TypedDict):
+    """The wall time from the end of one step to the end of the next (`StepClock.lap`)."""
+
+    tokens_per_s: float
+    data_wait: float  # fraction of the lap spent waiting for data
+    step_seconds: float
+
+
+class TrainRecord(StepOutcome, Lap):
+    """One trained step: a line of metrics.jsonl."""
+
+
+Record = TrainRecord | EvalRecord
 
 
 class MetricsLog:
@@ -31,7 +74,7 @@ class MetricsLog:
         os.replace(temp, self.path)
         self._file = self.path.open("a")
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: Record) -> None:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
 
@@ -70,16 +113,16 @@ class StepClock:
         finally:
             self._waited += time.perf_counter() - start
 
-    def lap(self, tokens: int) -> dict[str, float]:
+    def lap(self, tokens: int) -> Lap:
         """`tokens_per_s` (of wall time) and `data_wait` (fraction of it) since the last lap."""
         now = time.perf_counter()
         wall = max(now - self._lap_start, 1e-9)
-        record = {"tokens_per_s": tokens / wall, "data_wait": self._waited / wall, "step_seconds": wall}
+        lap = Lap(tokens_per_s=tokens / wall, data_wait=self._waited / wall, step_seconds=wall)
         self._lap_start, self._waited = now, 0.0
-        return record
+        return lap
 
 
-def step_line(record: dict[str, Any], total_steps: int) -> str:
+def step_line(record: TrainRecord, total_steps: int) -> str:
     """The one-line summary printed per step."""
     by_teacher = " ".join(f"t{t}={v:.4g}" for t, v in sorted(record["divergence_by_teacher"].items()))
     return (
@@ -87,6 +130,13 @@ def step_line(record: dict[str, Any], total_steps: int) -> str:
         f"[{by_teacher}] min {record['divergence_min']:.3g} max {record['divergence_max']:.3g} "
         f"gnorm {record['grad_norm']:.3g} lr {record['lr']:.3g} {record['tokens_per_s']:,.0f} tok/s "
         f"(data wait {record['data_wait']:.0%}) mem {record['memory_gib']:.2f} GiB"
+    )
+
+
+def eval_line(record: EvalRecord) -> str:
+    """The line printed per evaluation."""
+    return (
+        f"eval step {record['step']}: divergence {record['divergence']:.5g} {record['divergence_by_teacher']}"
     )
 
 

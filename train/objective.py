@@ -12,14 +12,15 @@ import math
 import torch
 import torch.distributed as dist
 
-from mopd.store.config import DivergenceConfig
+from mopd.config.train import DivergenceConfig
 from mopd.store.errors import ConfigError
 from mopd.store.manifest import Manifest
 from mopd.train.chunk_chain import chunk_size_for, compile_chain
-from mopd.train.distributed import DataParallel
+from mopd.train.distributed import RankGroup
 from mopd.train.divergence import linear_cross_entropy, linear_divergence
 from mopd.train.heads import TeacherHeads
 from mopd.train.loader import MicroBatch
+from mopd.train.metrics import DivergenceStats
 from mopd.train.student import TrainStudent
 
 
@@ -75,7 +76,7 @@ class Objective:
         """(loss with gradients, per-token divergence [N] before any weighting)."""
         cfg = self.cfg
         head = head[: self.local_rows]
-        weights_N = norm_N * self.weight_of[mb.token_teacher].to(norm_N.device)
+        weights_N = norm_N * self.weight_of[mb.teacher_index].to(norm_N.device)
         compiled = compile_chain(cfg.compile, hidden_NH.device)
         chunk_size = chunk_size_for(cfg.chunk_size, hidden_NH.device)
         options = dict(
@@ -93,7 +94,7 @@ class Objective:
                 head,
                 mb.teacher_hidden,
                 self.heads.resident(),
-                mb.token_teacher,
+                mb.teacher_index,
                 weights=weights_N,
                 **options,
             )
@@ -102,7 +103,7 @@ class Objective:
             loss = hidden_NH.new_zeros(())
             per_token = torch.zeros(hidden_NH.shape[0], device=hidden_NH.device)
             for t in sorted(mb.teacher_hidden):
-                sel = (mb.token_teacher == t).nonzero()[:, 0].to(hidden_NH.device)
+                sel = (mb.teacher_index == t).nonzero()[:, 0].to(hidden_NH.device)
                 with self.heads.use(t) as teacher_head:
                     out = linear_divergence(
                         hidden_NH[sel],
@@ -150,7 +151,7 @@ class StepStats:
             self.extremes = torch.minimum(self.extremes, torch.stack([values.min(), -values.max()]))
         self.loss += loss.detach().double().cpu()
 
-    def reduce(self, dp: DataParallel) -> None:
+    def reduce(self, dp: RankGroup) -> None:
         """Sums over the ranks of `dp` (ranks that report nothing add zeros)."""
         self.local_nonfinite = float(self.nonfinite.sum())
         packed = dp.all_reduce(torch.cat([self.sums, self.counts, self.nonfinite, self.loss[None]]))
@@ -163,16 +164,15 @@ class StepStats:
         )
         self.extremes = dp.all_reduce(self.extremes, dist.ReduceOp.MIN)
 
-    def record(self) -> dict:
+    def divergences(self) -> DivergenceStats:
         present = self.counts > 0
         total = float(self.counts.sum())
-        return {
-            "loss": float(self.loss),
-            "divergence": float(self.sums.sum()) / total if total else 0.0,
-            "divergence_by_teacher": {
+        return DivergenceStats(
+            divergence=float(self.sums.sum()) / total if total else 0.0,
+            divergence_by_teacher={
                 str(t): float(self.sums[t] / self.counts[t]) for t in present.nonzero()[:, 0].tolist()
             },
-            "divergence_min": float(self.extremes[0]) if total else 0.0,
-            "divergence_max": float(-self.extremes[1]) if total else 0.0,
-            "trained_tokens": int(total),
-        }
+            divergence_min=float(self.extremes[0]) if total else 0.0,
+            divergence_max=float(-self.extremes[1]) if total else 0.0,
+            trained_tokens=int(total),
+        )

@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter
 
-from mopd.store.config import TrainConfig
+from mopd.config.train import TrainConfig
 from mopd.store.manifest import Manifest
 
 RESUMABLE = frozenset(

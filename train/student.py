@@ -19,7 +19,7 @@ from mopd.store.errors import ConfigError
 from mopd.store.fingerprint import vocab_hash
 from mopd.store.manifest import Manifest
 from mopd.store.transform import LogitTransform
-from mopd.train.distributed import DataParallel
+from mopd.train.distributed import RankGroup
 
 # (final hidden states of the trained tokens [N, H], this rank's output-layer shard, microbatch)
 # -> (loss to back-propagate, anything the caller wants back)
@@ -43,7 +43,7 @@ class TrainStudent(Protocol):
     @property
     def layout(self) -> dict[str, Any]: ...
     def parameters(self) -> list[torch.nn.Parameter]: ...
-    def data_parallel(self) -> DataParallel: ...
+    def data_parallel(self) -> RankGroup: ...
     def train(self, mode: bool = True) -> None: ...
     def check_compatible(self, manifest: Manifest) -> None: ...
     def forward_backward(
@@ -102,7 +102,7 @@ class HFStudent:
     tp_group = None
 
     def __init__(
-        self, checkpoint: str | Path, *, device: torch.device, dtype: torch.dtype, dp: DataParallel
+        self, checkpoint: str | Path, *, device: torch.device, dtype: torch.dtype, dp: RankGroup
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -156,7 +156,7 @@ class HFStudent:
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def data_parallel(self) -> DataParallel:
+    def data_parallel(self) -> RankGroup:
         return self.dp
 
     def train(self, mode: bool = True) -> None:

@@ -24,8 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mopd.store.config import MopdConfig, TrainConfig
-from mopd.store.devices import resolve_device
+from mopd.config.mopd_config import MopdConfig
+from mopd.config.train import TrainConfig
+from mopd.store.devices import rank_device
 from mopd.store.errors import CheckpointError, ConfigError, ManifestError, MopdError
 from mopd.store.manifest import Manifest
 from mopd.store.reader import TeacherStore, open_store
@@ -42,14 +43,24 @@ from mopd.train.checkpoint import (
     save_checkpoint,
 )
 from mopd.train.data_order import LoaderState, rank_microbatches
-from mopd.train.distributed import DataParallel
-from mopd.train.export import export_hf
+from mopd.train.distributed import RankGroup
 from mopd.train.heads import TeacherHeads
 from mopd.train.loader import MicroBatch, Step, StoreLoader, read_microbatches
-from mopd.train.metrics import PLOT_FILE, MetricsLog, StepClock, plot_metrics, step_line
+from mopd.train.metrics import (
+    PLOT_FILE,
+    EvalRecord,
+    MetricsLog,
+    Record,
+    StepClock,
+    StepOutcome,
+    TrainRecord,
+    eval_line,
+    plot_metrics,
+    step_line,
+)
 from mopd.train.objective import Objective, StepStats, teacher_weights
 from mopd.train.run_record import diff_run_records, run_record
-from mopd.train.student import HFStudent, TrainStudent
+from mopd.train.student import HFStudent, LossFn, TrainStudent
 from mopd.train.vocabulary import distilled_vocabulary
 
 Log = Callable[[str], None]
@@ -67,7 +78,8 @@ class TrainResult:
     checkpoint: Path | None
     heads_peak_resident: int
     heads_by_rank: list[int]  # bytes of teacher heads each rank of the world held
-    records: list[dict] = field(default_factory=list)  # this run's metrics records, train and eval
+    records: list[Record] = field(default_factory=list)  # this run's metrics records, train and eval
+    reports: bool = True  # rank 0 of the world: the one that logs, writes metrics and may export
 
 
 def held_out_rows(num_rows: int, count: int, seed: int) -> np.ndarray:
@@ -111,10 +123,8 @@ class Trainer:
                 "pipeline parallelism need train.backend megatron"
             )
         self.tc = tc
-        self.device = resolve_device(tc.device)
-        self.world = DataParallel.from_environment(self.device)
-        if self.device.type == "cuda" and self.world.enabled:
-            self.device = torch.device("cuda", self.world.rank % torch.cuda.device_count())
+        self.device = rank_device(tc.device)
+        self.world = RankGroup.from_environment(self.device)  # every process of the run
         self.log = log if self.world.rank == 0 else (lambda _line: None)
         self.output = Path(output or tc.output_dir)
         torch.manual_seed(tc.seed)
@@ -136,6 +146,8 @@ class Trainer:
 
     def _prepare(self, tc: TrainConfig, manifest: Manifest) -> None:
         """Everything after the student: heads, objective, loader, optimiser."""
+        # The student's data-parallel replicas: the world on the hf backend, one rank of each
+        # model-parallel group on the megatron backend. The loader deals rows to them.
         self.replicas = self.student.data_parallel()
         self.student.check_compatible(manifest)
         self.vocab_size = distilled_vocabulary(
@@ -187,8 +199,7 @@ class Trainer:
             from mopd.mcore.parallel import ModelParallelGroup
             from mopd.train.megatron_student import MegatronStudent
 
-            group = ModelParallelGroup.start(tc.parallel, tc.device, what="train.parallel")
-            self.device = group.device
+            group = ModelParallelGroup.start(tc.parallel, self.device, what="train.parallel")
             try:
                 return MegatronStudent(tc.student, group=group, dtype=dtype)
             except BaseException:
@@ -296,21 +307,29 @@ class Trainer:
         denominator = counts[0] if self.tc.divergence.level == "token" else counts[1]
         return max(float(denominator), 1.0), float(counts[2])
 
-    def train_step(self, step: int, batch: Step) -> dict:
+    def _loss_fn(
+        self, stats: StepStats, norm_of: Callable[[MicroBatch], torch.Tensor], *, train: bool
+    ) -> LossFn:
+        """The loss of one microbatch as the student's forward_backward calls it, its per-token
+        divergences gathered into `stats`; `norm_of` gives each trained token's weight."""
+
+        def loss_fn(hidden: torch.Tensor, head: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, None]:
+            mb = mb.to(self.device)
+            loss, per_token = self.objective(hidden, head if train else head.detach(), mb, norm_of(mb))
+            if self.student.reports:
+                stats.add(per_token, mb.teacher_index, loss if train else torch.zeros(()))
+            return loss, None
+
+        return loss_fn
+
+    def train_step(self, step: int, batch: Step) -> StepOutcome:
         """Forward and backward of this replica's microbatches, gradient sum over the replicas, optimiser
         step."""
         self.optimizer.zero_grad(set_to_none=True)
         denominator, tokens = self._global_denominator(batch.microbatches)
         stats = StepStats(self.num_teachers)
-
-        def loss_fn(hidden: torch.Tensor, head: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, None]:
-            mb = mb.to(self.device)
-            loss, per_token = self.objective(hidden, head, mb, self._token_norm(mb, denominator))
-            if self.student.reports:
-                stats.add(per_token, mb.token_teacher, loss)
-            return loss, None
-
-        self.student.forward_backward(batch.microbatches, loss_fn)
+        norm_of = lambda mb: self._token_norm(mb, denominator)  # noqa: E731
+        self.student.forward_backward(batch.microbatches, self._loss_fn(stats, norm_of, train=True))
         self.student.finish_gradients()
         stats.reduce(self.world)
         grad_norm = self.student.clip_gradients(self.tc.optim.grad_clip)
@@ -319,14 +338,15 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
-        return {
-            "step": step,
-            **stats.record(),
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tokens": int(tokens),
-            "memory_gib": _memory_gib(self.device),
-        }
+        return StepOutcome(
+            step=step,
+            loss=float(stats.loss),
+            **stats.divergences(),
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens=int(tokens),
+            memory_gib=_memory_gib(self.device),
+        )
 
     def _refuse_nonfinite(self, step: int, stats: StepStats, grad_norm: float) -> None:
         flags = torch.zeros(self.world.size, dtype=torch.float64)
@@ -351,19 +371,10 @@ class Trainer:
         )
 
     @torch.no_grad()
-    def evaluate(self, step: int) -> dict:
+    def evaluate(self, step: int) -> EvalRecord:
         """Mean divergence per trained token of the held-out rows, by teacher (no weighting, no CE)."""
         self.student.train(False)
         stats = StepStats(self.num_teachers)
-
-        def loss_fn(hidden: torch.Tensor, head: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, None]:
-            mb = mb.to(self.device)
-            norm = torch.zeros(mb.num_trained, device=self.device)
-            loss, per_token = self.objective(hidden, head.detach(), mb, norm)
-            if self.student.reports:
-                stats.add(per_token, mb.token_teacher, torch.zeros(()))
-            return loss, None
-
         microbatches = read_microbatches(
             self.store,
             rank_microbatches(
@@ -375,36 +386,40 @@ class Trainer:
             ),
             teacher_hidden=self.student.holds_loss,
         )
-        self.student.forward_backward(microbatches, loss_fn, forward_only=True)
+        zero = lambda mb: torch.zeros(mb.num_trained, device=self.device)  # noqa: E731
+        self.student.forward_backward(
+            microbatches, self._loss_fn(stats, zero, train=False), forward_only=True
+        )
         stats.reduce(self.world)
         self.student.train()
-        record = stats.record()
-        del record["loss"]
-        return {"split": "eval", "step": step, **record}
+        return EvalRecord(split="eval", step=step, **stats.divergences())
 
     def _should_eval(self, step: int, last: int) -> bool:
         every = self.tc.eval.every
         return self.eval_rows.shape[0] > 0 and (step == last or (every > 0 and step % every == 0))
 
-    def run(
-        self, *, resume: bool | None = None, max_steps: int | None = None, export: Path | None = None
-    ) -> TrainResult:
-        """Trains from the start or the latest checkpoint up to `max_steps` (default train.steps); with
-        `export`, then writes the latest checkpoint's student there as a transformers checkpoint."""
+    def run(self, *, resume: bool | None = None, max_steps: int | None = None) -> TrainResult:
+        """Trains from the start or the latest checkpoint up to `max_steps` (default train.steps)."""
         try:
-            result = self._run(resume, max_steps)
-            if export is not None:
-                latest = complete_checkpoints(self.checkpoint_root)
-                if not latest:
-                    raise ConfigError(f"--export-hf: {self.checkpoint_root} holds no checkpoint to export")
-                if self.world.rank == 0:
-                    export_hf(latest[-1], export)
-                    self.log(f"exported {latest[-1].name} as a transformers checkpoint: {export}")
-                self.world.barrier()
-            return result
+            return self._run(resume, max_steps)
         finally:
             self.student.close()
             self.world.close()
+
+    def _save(self, step: int, loader: LoaderState) -> Path:
+        """A checkpoint after `step`, whose data order resumes at `loader`."""
+        return save_checkpoint(
+            self.checkpoint_root,
+            step,
+            student=self.student,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            loader=loader,
+            teachers=self.teacher_list,
+            run=self.run_record,
+            keep=self.tc.checkpoint.keep,
+            world=self.world,
+        )
 
     def _run(self, resume: bool | None, max_steps: int | None) -> TrainResult:
         point = self._resume_point(resume)
@@ -412,7 +427,9 @@ class Trainer:
             self._start_from()
         first = (point.step if point else 0) + 1
         last = min(self.tc.steps, max_steps if max_steps is not None else self.tc.steps)
-        result = TrainResult(self.output, first, last, None, 0, self.heads_by_rank)
+        result = TrainResult(
+            self.output, first, last, None, 0, self.heads_by_rank, reports=self.world.rank == 0
+        )
         if first > last:
             self.log(f"nothing to train: the run in {self.output} is at step {first - 1} of {last}")
             return result
@@ -422,18 +439,15 @@ class Trainer:
             else None
         )
 
-        def emit(record: dict, line: str) -> None:
+        def emit(record: Record, line: str) -> None:
             result.records.append(record)
             if metrics is not None:
                 metrics.write(record)
             self.log(line)
 
         if first == 1 and self.eval_rows.shape[0]:
-            record = self.evaluate(0)
-            emit(
-                record,
-                f"eval step 0: divergence {record['divergence']:.5g} {record['divergence_by_teacher']}",
-            )
+            evaluated = self.evaluate(0)
+            emit(evaluated, eval_line(evaluated))
         self.log(f"training steps {first}..{last}; reading step {first}'s rows")
         steps = self.loader.steps(point.loader if point else LoaderState(self.tc.seed))
         clock = StepClock()
@@ -441,29 +455,14 @@ class Trainer:
             for step in range(first, last + 1):
                 with clock.waiting():
                     batch = next(steps)
-                record = self.train_step(step, batch)
-                record.update(clock.lap(record["tokens"]))
+                outcome = self.train_step(step, batch)
+                record = TrainRecord(**outcome, **clock.lap(outcome["tokens"]))
                 emit(record, step_line(record, self.tc.steps))
                 if step % self.tc.checkpoint.every == 0 or step == last:
-                    result.checkpoint = save_checkpoint(
-                        self.checkpoint_root,
-                        step,
-                        student=self.student,
-                        optimizer=self.optimizer,
-                        scheduler=self.scheduler,
-                        loader=batch.state_after,
-                        teachers=self.teacher_list,
-                        run=self.run_record,
-                        keep=self.tc.checkpoint.keep,
-                        world=self.world,
-                    )
+                    result.checkpoint = self._save(step, batch.state_after)
                 if self._should_eval(step, last):
-                    record = self.evaluate(step)
-                    emit(
-                        record,
-                        f"eval step {step}: divergence {record['divergence']:.5g} "
-                        f"{record['divergence_by_teacher']}",
-                    )
+                    evaluated = self.evaluate(step)
+                    emit(evaluated, eval_line(evaluated))
         finally:
             steps.close()
             if metrics is not None:
@@ -481,10 +480,9 @@ def run_training(
     output: str | Path | None = None,
     resume: bool | None = None,
     max_steps: int | None = None,
-    export: Path | None = None,
     log: Log = print,
 ) -> TrainResult:
     """Builds the trainer and runs it (see `Trainer.run`)."""
     return Trainer(config, store_path=store_path, output=output, log=log).run(
-        resume=resume, max_steps=max_steps, export=export
+        resume=resume, max_steps=max_steps
     )

@@ -80,11 +80,11 @@ def megatron_step(
 ) -> tuple[float, dict | None, float]:
     from megatron.core import parallel_state
 
+    from mopd.config.parallel import ParallelConfig
     from mopd.mcore.parallel import ModelParallelGroup
-    from mopd.store.config import ParallelConfig
     from mopd.train.megatron_student import MegatronStudent
 
-    group = ModelParallelGroup.start(ParallelConfig(tp=tp, pp=pp), "cpu", what="train.parallel")
+    group = ModelParallelGroup.start(ParallelConfig(tp=tp, pp=pp), torch.device("cpu"), what="train.parallel")
     try:
         student = MegatronStudent(checkpoint, group=group, dtype=torch.float32)
         total = sum(int(mb.loss_mask.sum()) for mb in mbs)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from mopd.store.config import load_config
+from mopd.config.mopd_config import load_config
 from mopd.train.metrics import METRICS_FILE, read_metrics
 from mopd.train.trainer import TrainResult, run_training
 from tests.distributed.harness import run_distributed, run_torchrun
@@ -187,13 +187,13 @@ def _check_exported(
     """TP2×PP2: the checkpoint's logits; then the trainer's refusals, each as the error it raised."""
     from megatron.core import parallel_state
 
+    from mopd.config.parallel import ParallelConfig
     from mopd.mcore.parallel import ModelParallelGroup
-    from mopd.store.config import ParallelConfig
     from mopd.store.errors import MopdError
     from mopd.train.megatron_student import MegatronStudent
     from mopd.train.trainer import Trainer
 
-    group = ModelParallelGroup.start(ParallelConfig(tp=2, pp=2), "cpu", what="train.parallel")
+    group = ModelParallelGroup.start(ParallelConfig(tp=2, pp=2), torch.device("cpu"), what="train.parallel")
     try:
         model = MegatronStudent(student, group=group, dtype=torch.float32)
         model.load_weights(Path(checkpoint) / "model")

@@ -9,9 +9,9 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
+from mopd.config.mopd_config import load_config
 from mopd.precompute.runner import run_precompute
 from mopd.store import ConfigError, open_store
-from mopd.store.config import load_config
 from tests.tolerance import BF16_U, assert_close, network_rtol
 
 

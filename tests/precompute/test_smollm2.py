@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from mopd.config.mopd_config import load_config
 from mopd.precompute.packaged_models import smollm2_checkpoint
 from mopd.precompute.runner import run_precompute
 from mopd.store import open_store
-from mopd.store.config import load_config
 from tests.precompute.conftest import write_config
 from tests.precompute.teachers import write_jsonl
 from tests.tolerance import assert_close, network_rtol

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from mopd.store.config import load_config
+from mopd.config.mopd_config import load_config
 from mopd.store.errors import ConfigError
 
 BASE = """\

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mopd.config.mopd_config import parse_config, parse_yaml
 from mopd.store.completion import COMPLETE, read_complete
-from mopd.store.config import parse_config, parse_yaml
 from mopd.store.errors import CheckpointError, ConfigError, ManifestError
 from mopd.store.jsonio import MAX_DEPTH
 from mopd.store.manifest import parse_manifest, parse_part, parse_plan

@@ -85,12 +85,15 @@ def test_train_command(world: World, tmp_path: Path) -> None:
 def test_export_hf_writes_the_trained_student(world: World, tmp_path: Path) -> None:
     """`mopd train --export-hf` and `mopd export-hf RUN` write the last checkpoint's student, which
     reloads with the trained weights; an existing folder and a folder without checkpoints are refused."""
-    config = world_config(world, tmp_path, steps=2)
-    result = run_training(config, export=tmp_path / "exported", log=lambda _line: None)
-    assert result.checkpoint is not None
+    world_config(world, tmp_path, steps=2)  # writes tmp_path / config.yaml
+    trained_run = CliRunner().invoke(
+        cli, ["train", str(tmp_path / "config.yaml"), "--export-hf", str(tmp_path / "exported")]
+    )
+    assert trained_run.exit_code == 0, trained_run.output
+    checkpoint = complete_checkpoints(tmp_path / "run" / "checkpoints")[-1]
     again = CliRunner().invoke(cli, ["export-hf", str(tmp_path / "run"), str(tmp_path / "again")])
     assert again.exit_code == 0, again.output
-    trained = AutoModelForCausalLM.from_pretrained(result.checkpoint / "model", dtype=torch.float32)
+    trained = AutoModelForCausalLM.from_pretrained(checkpoint / "model", dtype=torch.float32)
     tokens = torch.arange(40).reshape(2, 20) % trained.config.vocab_size
     with torch.no_grad():
         want = trained(input_ids=tokens).logits

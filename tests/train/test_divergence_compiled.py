@@ -92,7 +92,7 @@ def test_the_compiled_hard_label_chain_matches_the_eager_one() -> None:
 
 
 def test_chunk_size_setting() -> None:
-    from mopd.store.config import DivergenceConfig
+    from mopd.config.train import DivergenceConfig
     from mopd.train.chunk_chain import AUTO_CHUNK, chunk_size_for
 
     assert DivergenceConfig().chunk_size == "auto"

@@ -36,14 +36,14 @@ def test_a_microbatch_holds_its_rows_padded_to_its_own_longest(world: World) -> 
             torch.cat([row.input_ids[1:], torch.tensor([IGNORE])])[row.loss_mask],
         )
     # Teacher t's hidden states: its rows' trained positions, in token order.
-    for t in set(mb.token_teacher.tolist()):
+    for t in set(mb.teacher_index.tolist()):
         expected = [
             store.hidden(int(r))[store.row(int(r)).loss_mask]
             for r in rows
             if store.row(int(r)).teacher_index == t
         ]
         assert torch.equal(mb.teacher_hidden[t], torch.cat(expected))
-    assert mb.token_teacher.tolist() == [store.row(int(rows[b])).teacher_index for b in mb.token_row.tolist()]
+    assert mb.teacher_index.tolist() == [store.row(int(rows[b])).teacher_index for b in mb.token_row.tolist()]
 
 
 def test_a_stage_without_the_loss_reads_no_teacher_states(
@@ -56,7 +56,7 @@ def test_a_stage_without_the_loss_reads_no_teacher_states(
     monkeypatch.setattr(store, "hiddens", lambda rows: pytest.fail(f"read teacher states of rows {rows}"))
     bare = read_microbatches(store, [rows], teacher_hidden=False)[0]
     assert bare.teacher_hidden == {}
-    for name in ("input_ids", "attention_mask", "loss_mask", "token_teacher", "token_row", "labels"):
+    for name in ("input_ids", "attention_mask", "loss_mask", "teacher_index", "token_row", "labels"):
         assert torch.equal(getattr(bare, name), getattr(full, name)), name
 
 

@@ -17,9 +17,9 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from mopd.cli.main import cli
+from mopd.config.mopd_config import load_config
 from mopd.precompute.runner import run_precompute
 from mopd.store import open_store
-from mopd.store.config import load_config
 from mopd.train.data_order import LoaderState
 from mopd.train.trainer import Trainer, run_training
 from tests.precompute.teachers import agent_records, make_tokenizer, save_teacher, write_jsonl
@@ -107,7 +107,7 @@ def test_the_objective_is_the_reference_over_the_real_vocabulary(padded: Padded,
     w64 = head.detach().double().requires_grad_()
     want = torch.zeros(mb.num_trained, dtype=torch.float64)
     for t in (0, 1):
-        sel = mb.token_teacher == t
+        sel = mb.teacher_index == t
         teacher_head = store.lm_head(t).double()
         want[sel] = reverse_kl64(h64[sel], w64, mb.teacher_hidden[t].double(), teacher_head)
     (norm.double() * want).sum().backward()

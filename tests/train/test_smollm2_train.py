@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mopd.config.mopd_config import load_config
 from mopd.precompute.packaged_models import smollm2_checkpoint
 from mopd.precompute.runner import run_precompute
 from mopd.store import open_store
-from mopd.store.config import load_config
 from mopd.train.trainer import run_training
 from tests.precompute.teachers import write_jsonl
 from tests.precompute.test_smollm2 import TEXTS

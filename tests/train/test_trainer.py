@@ -248,7 +248,7 @@ def test_ce_mix_and_teacher_weights(world: World, tmp_path: Path) -> None:
         trainer.objective.cfg = trainer.objective.cfg.model_copy(update={"ce_weight": 0.0})
         trainer.objective.weight_of[0] = 3.0
         weighted, _ = trainer.objective(hidden, trainer.student.head, mb, norm)
-    expected = (per_token * torch.where(mb.token_teacher == 0, 3.0, 1.0)).sum() / mb.num_trained
+    expected = (per_token * torch.where(mb.teacher_index == 0, 3.0, 1.0)).sum() / mb.num_trained
     assert_close(weighted, expected, rtol=2 * sum_rtol(mb.num_trained), what="weighted loss")
 
 

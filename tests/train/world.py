@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
+from mopd.config.mopd_config import MopdConfig, load_config
 from mopd.precompute.runner import run_precompute
-from mopd.store.config import MopdConfig, load_config
 from tests.precompute.teachers import agent_records, make_tokenizer, save_teacher, write_jsonl
 
 

@@ -1,0 +1,207 @@
+"""The one YAML config file: `MopdConfig` composes the sections each part of mopd reads.
+
+Unknown keys are errors, and every error names the dotted key the user wrote. Relative paths are
+resolved against the folder that holds the config file, so a config means the same thing from any
+working directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from mopd.config.precompute import DataConfig, PrecomputeConfig, RoutingConfig
+from mopd.config.train import TrainConfig
+from mopd.store.config import Section, StoreConfig
+from mopd.store.errors import ConfigError
+from mopd.store.jsonio import check_unicode, decode_text, describe_location
+
+
+class MopdConfig(Section):
+    tokenizer: str | None = None
+    teachers: dict[str, str] = Field(min_length=1)
+    routing: RoutingConfig = RoutingConfig()
+    data: DataConfig
+    store: StoreConfig = StoreConfig()
+    precompute: PrecomputeConfig = PrecomputeConfig()
+    train: TrainConfig | None = None
+
+    @model_validator(mode="after")
+    def _aliases_exist(self) -> MopdConfig:
+        aliases = set(self.teachers)
+        for agent, alias in self.routing.teacher_by_agent.items():
+            if alias not in aliases:
+                raise ValueError(
+                    f"routing.teacher_by_agent.{agent}: alias {alias!r} is not in teachers "
+                    f"({', '.join(sorted(aliases))})"
+                )
+        default = self.routing.default_teacher
+        if default is not None and default not in aliases:
+            raise ValueError(f"routing.default_teacher: alias {default!r} is not in teachers")
+        if self.train is not None:
+            weights = self.train.teacher_weights
+            for alias, weight in weights.items():
+                if alias not in aliases:
+                    raise ValueError(f"train.teacher_weights.{alias}: not an alias in teachers")
+                if weight < 0:
+                    raise ValueError(f"train.teacher_weights.{alias}: {weight} is negative; weights are ≥ 0")
+            if (
+                all(weights.get(alias, 1.0) == 0 for alias in aliases)
+                and self.train.divergence.ce_weight == 0
+            ):
+                raise ValueError(
+                    "train.teacher_weights: every teacher's weight is 0 (and ce_weight is 0), so the loss is "
+                    "0 and nothing would train; give at least one teacher a positive weight"
+                )
+        return self
+
+    def agent_to_alias(self) -> dict[str, str]:
+        """The routing table: explicit `teacher_by_agent`, else each alias routes its own name."""
+        return dict(self.routing.teacher_by_agent) or {alias: alias for alias in self.teachers}
+
+
+MAX_CONFIG_BYTES = 1 << 20
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys (PyYAML silently keeps the last one) and aliases
+    (`*name`: a few nested ones expand to billions of nodes, and a mopd config never needs one)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.events.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise ConfigError(
+                f"YAML alias at line {mark.line + 1}: aliases (*name) are not allowed in a config"
+            )
+        return super().compose_node(parent, index)
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if not isinstance(key, str | int | float | bool) and key is not None:
+            raise ConfigError(f"line {key_node.start_mark.line + 1}: a mapping key must be a plain name")
+        if key in seen:
+            raise ConfigError(
+                f"duplicate key {key!r} at line {key_node.start_mark.line + 1} "
+                f"(first at line {seen[key] + 1}); each key may appear once"
+            )
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_yaml(path: str | Path) -> Any:
+    """Parses a YAML file safely; duplicate keys raise `ConfigError`."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err.strerror}") from err
+    return parse_yaml(data, source=str(path))
+
+
+def parse_yaml(data: bytes, *, source: str = "config") -> Any:
+    """Parses YAML text safely.
+
+    Raises:
+        ConfigError: oversized, not UTF-8, not YAML, duplicate keys, aliases, or nested too deep.
+    """
+    text = decode_text(data, what=source, error=ConfigError, max_bytes=MAX_CONFIG_BYTES)
+    try:
+        value = yaml.load(text, Loader=_UniqueKeyLoader)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from err
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{source}: not valid YAML: {' '.join(str(err).split())}") from err
+    except RecursionError as err:
+        raise ConfigError(f"{source}: nested too deeply to be a config") from err
+    check_unicode(value, what=source, error=ConfigError)
+    return value
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        key = describe_location(item["loc"])
+        message = " ".join(item["msg"].removeprefix("Value error, ").split())
+        lines.append(f"`{key}`: {message}" if item["loc"] else message)
+    return "; ".join(lines)
+
+
+def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
+    def as_path(value: str) -> str:
+        path = base / Path(value).expanduser()
+        try:
+            return str(path.resolve())
+        except (OSError, ValueError):  # not a name this filesystem could hold: reading it will say so
+            return str(path)
+
+    def exists(value: str) -> bool:
+        try:
+            return (base / value).exists()
+        except (OSError, ValueError):  # a name too long for the filesystem, a NUL byte: not a folder
+            return False
+
+    def as_checkpoint(value: str) -> str:
+        # A checkpoint is a local folder when it exists or is written as a path; anything else
+        # (e.g. "org/model") is kept as an identifier and normalised by `normalise_checkpoint`.
+        looks_like_path = value.startswith((".", "/", "~")) or exists(value)
+        return as_path(value) if looks_like_path else value
+
+    out = dict(raw)
+    if isinstance(out.get("teachers"), dict):
+        out["teachers"] = {
+            alias: as_checkpoint(ckpt) if isinstance(ckpt, str) else ckpt
+            for alias, ckpt in out["teachers"].items()
+        }
+    if isinstance(out.get("tokenizer"), str):
+        out["tokenizer"] = as_checkpoint(out["tokenizer"])
+    for section, key, resolve in (
+        ("data", "path", as_path),
+        ("store", "path", as_path),
+        ("train", "student", as_checkpoint),
+        ("train", "output_dir", as_path),
+    ):
+        block = out.get(section)
+        if isinstance(block, dict) and isinstance(block.get(key), str):
+            out[section] = {**block, key: resolve(block[key])}
+    train = out.get("train")
+    if not isinstance(train, dict):
+        return out
+    init = train.get("init_from")
+    if isinstance(init, str):
+        out["train"] = {**train, "init_from": as_path(init)}
+    elif isinstance(init, dict) and isinstance(init.get("checkpoint"), str):
+        out["train"] = {**train, "init_from": {**init, "checkpoint": as_path(init["checkpoint"])}}
+    return out
+
+
+def parse_config(raw: Any, *, base_dir: str | Path, source: str = "config") -> MopdConfig:
+    """Validates a parsed YAML document; relative paths resolve against `base_dir`.
+
+    Raises:
+        ConfigError: naming every offending key.
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, found {type(raw).__name__}")
+    try:
+        return MopdConfig.model_validate(_resolve_paths(raw, Path(base_dir)))
+    except ValidationError as err:
+        raise ConfigError(f"{source}: {_format_validation_error(err)}") from err
+
+
+def load_config(path: str | Path) -> MopdConfig:
+    """Loads and validates a config file.
+
+    Raises:
+        ConfigError: the file is unreadable, not YAML, has duplicate keys, or fails validation.
+    """
+    path = Path(path)
+    return parse_config(load_yaml(path), base_dir=path.resolve().parent, source=str(path))

@@ -1,0 +1,23 @@
+"""The model-parallel layout of a teacher (`precompute.parallel`) or a student (`train.parallel`), read by
+`mopd.mcore`."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from mopd.store.config import Section
+
+
+class ParallelConfig(Section):
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    # Split the sequence over the tensor-parallel ranks outside attention and MLP (megatron backend).
+    sequence_parallel: bool = False
+
+    @model_validator(mode="after")
+    def _sequence_parallel_needs_tp(self) -> ParallelConfig:
+        if self.sequence_parallel and self.tp < 2:
+            raise ValueError(
+                "sequence_parallel splits the sequence over the tensor-parallel ranks: it needs tp ≥ 2"
+            )
+        return self

@@ -1,0 +1,101 @@
+"""What `mopd train` reads: the student, the divergence, the optimiser, batches, evaluation, checkpoints."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from mopd.config.parallel import ParallelConfig
+from mopd.store.config import Section
+
+
+class DivergenceConfig(Section):
+    kind: Literal["reverse_kl", "forward_kl", "jsd", "cross_entropy", "entropy", "tvd"] = "reverse_kl"
+    beta: float = Field(0.5, ge=0.0, le=1.0)
+    temperature: float = Field(1.0, gt=0.0)
+    # Tokens per kernel chunk; "auto": the measured default of the device (train/divergence.py).
+    chunk_size: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
+    ce_weight: float = Field(0.0, ge=0.0)
+    # The chunk chain compiled with torch.compile: "auto" on CUDA only; a failure to compile falls
+    # back to eager with one log line.
+    compile: Literal["auto", "on", "off"] = "auto"
+    # "token": mean over the step's trained tokens; "sequence": mean per row, then over the step's rows.
+    level: Literal["token", "sequence"] = "token"
+
+    @model_validator(mode="after")
+    def _jsd_is_not_degenerate(self) -> DivergenceConfig:
+        # mopd's JSD(β) mixes m = β·p_t + (1−β)·p_s: at β = 0 or 1, m is one of the two distributions and
+        # the divergence is 0 with zero gradient. Other tools' β = 1 means reverse KL; say so, never
+        # train on a silent zero.
+        if self.kind == "jsd" and self.beta in (0.0, 1.0):
+            instead = "reverse_kl" if self.beta == 1.0 else "forward_kl"
+            raise ValueError(
+                f"kind jsd with beta {self.beta} is identically 0 (nothing would train); for what other "
+                f"tools call JSD at beta {self.beta:g}, use kind: {instead}"
+            )
+        return self
+
+
+class OptimConfig(Section):
+    lr: float = Field(1.0e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_steps: int = Field(10, ge=0)
+    grad_clip: float = Field(1.0, gt=0.0)
+
+
+class BatchConfig(Section):
+    micro_batch_tokens: int = Field(8192, gt=0)
+    global_batch_tokens: int = Field(65536, gt=0)
+
+
+class EvalConfig(Section):
+    # Rows held out of training (a seeded choice) and evaluated every `every` steps (0: start and end).
+    rows: int = Field(0, ge=0)
+    every: int = Field(0, ge=0)
+
+
+class CheckpointConfig(Section):
+    every: int = Field(100, gt=0)
+    keep: int = Field(3, ge=1)
+
+
+class InitFromConfig(Section):
+    """A new run that starts from a training checkpoint's student (and optionally its optimizer state)."""
+
+    checkpoint: str
+    optimizer: bool = False
+
+
+class TrainConfig(Section):
+    student: str
+    # Start this (new) run from another run's checkpoint: its weights, and with optimizer: true its
+    # AdamW moments; the data order, schedule and step count start afresh. Never a resume.
+    init_from: InitFromConfig | None = None
+    backend: Literal["hf", "megatron"] = "hf"
+    parallel: ParallelConfig = ParallelConfig()
+    divergence: DivergenceConfig = DivergenceConfig()
+    teacher_weights: dict[str, float] = Field(default_factory=dict)
+    lm_head_lifecycle: Literal["none", "offload", "evict"] = "offload"
+    optim: OptimConfig = OptimConfig()
+    batch: BatchConfig = BatchConfig()
+    steps: int = Field(1000, gt=0)
+    seed: int = 0
+    device: str = "auto"
+    # Student parameter dtype (AdamW state follows it).
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # The vocabulary distilled over; default the tokenizer's length as the store records it (see
+    # train/vocabulary.py). Set it only when the tokenizer's added tokens sit past the models' rows.
+    vocab_size: int | None = Field(None, gt=0)
+    eval: EvalConfig = EvalConfig()
+    # Steps the loader reads ahead of training, in a background thread (their rows stay in memory).
+    prefetch: int = Field(2, ge=1)
+    output_dir: str = "out/run"
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _init_from_shorthand(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("init_from"), str):
+            return {**data, "init_from": {"checkpoint": data["init_from"]}}
+        return data

@@ -1,0 +1,132 @@
+"""Where a job's finished tasks go: into the store, or — on a megatron rank that only computes for its
+group's writer — nowhere. Both take the same calls, so that every rank runs the one task loop of
+`runner.py` and the ranks of a group run the same forwards in the same order."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+
+import numpy as np
+import torch
+
+from mopd.precompute.backends import HiddenStateSource, TeacherModel
+from mopd.precompute.data import TokenizedRows
+from mopd.store.errors import StoreIntegrityError
+from mopd.store.manifest import HeadTask, Manifest, RowsTask, ShardTask
+from mopd.store.tasks import HiddenShardWriter, write_lm_head, write_rows
+from mopd.store.version import __version__
+from mopd.store.writer import StoreWriter
+
+_STORAGE_TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+# A hidden-state shard as its task fills it, a batch at a time: append(row ids, their [L_i, H] states).
+AppendStates = Callable[[np.ndarray, list[torch.Tensor]], None]
+
+
+class StoreOutput:
+    """A job's writer: each finished task is published into the store; the last job finalizes it."""
+
+    writes = True
+
+    def __init__(self, writer: StoreWriter, hidden_dtype: str) -> None:
+        self.writer, self.hidden_dtype = writer, hidden_dtype
+
+    def done(self) -> set[str]:
+        return self.writer.done_tasks()
+
+    def check_capture(self, teacher: TeacherModel, rows: Sequence[np.ndarray]) -> None:
+        teacher.check_capture(rows)
+
+    def rows(self, task: RowsTask, rows: TokenizedRows) -> None:
+        with self.writer.task(task.task_id) as out:
+            write_rows(
+                out,
+                input_ids=rows.input_ids.pieces(),
+                loss_mask=rows.loss_mask.pieces(),
+                offsets=rows.input_ids.offsets,
+                teacher_index=rows.teacher_index,
+                source_keys=rows.source_keys,
+            )
+
+    def head(self, task: HeadTask, teacher: TeacherModel) -> None:
+        with self.writer.task(task.task_id) as out:
+            write_lm_head(
+                out,
+                teacher.lm_head(),
+                logit_scale=teacher.transform.logit_scale,
+                final_logit_softcap=teacher.transform.final_logit_softcap,
+            )
+
+    @contextmanager
+    def shard(
+        self, task: ShardTask, teacher: HiddenStateSource, rows: TokenizedRows, order: np.ndarray
+    ) -> Iterator[AppendStates]:
+        """The shard of `task`, its rows in processing `order`; published when the block exits without an
+        error. A non-finite state refuses the whole task, naming the row."""
+        dtype = _STORAGE_TORCH_DTYPE[self.hidden_dtype]
+        with self.writer.task(task.task_id) as out:
+            shard = HiddenShardWriter(
+                out,
+                row_ids=order,
+                lengths=rows.lengths[order],
+                hidden_size=teacher.hidden_size,
+                dtype=self.hidden_dtype,
+            )
+
+            def append(batch: np.ndarray, hidden: list[torch.Tensor]) -> None:
+                for row, states in zip(batch, hidden, strict=True):
+                    if not torch.isfinite(states).all():
+                        raise StoreIntegrityError(
+                            f"teacher {task.teacher} ({teacher.checkpoint}) produced non-finite hidden "
+                            f"states for row {row} (source key {rows.source_keys[row]}); nothing of the task "
+                            "was written"
+                        )
+                    shard.append(int(row), states.to(dtype))
+
+            yield append
+            shard.close()
+
+    def finalize(self) -> Manifest | None:
+        """The manifest, when every task of the store is done (by this job or others); else None."""
+        return self.writer.finalize(
+            created_by=f"mopd {__version__}",
+            volatile={
+                "finalized_at": datetime.now(UTC).isoformat(timespec="seconds"),
+                "host": platform.node(),
+            },
+        )
+
+
+class NoOutput:
+    """A megatron rank other than its group's writer: it runs every forward the writer runs (its stage
+    and tensor-parallel slice of each) and writes nothing. The output layer and its capture check are the
+    writer's."""
+
+    writes = False
+
+    def done(self) -> set[str]:
+        return set()  # the group's writer says which tasks are left
+
+    def check_capture(self, teacher: TeacherModel, rows: Sequence[np.ndarray]) -> None:
+        pass
+
+    def rows(self, task: RowsTask, rows: TokenizedRows) -> None:
+        pass
+
+    def head(self, task: HeadTask, teacher: TeacherModel) -> None:
+        pass
+
+    @contextmanager
+    def shard(
+        self, task: ShardTask, teacher: HiddenStateSource, rows: TokenizedRows, order: np.ndarray
+    ) -> Iterator[AppendStates]:
+        yield lambda batch, hidden: None
+
+    def finalize(self) -> Manifest | None:
+        return None
+
+
+Output = StoreOutput | NoOutput
