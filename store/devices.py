@@ -14,9 +14,10 @@ def resolve_device(device: str) -> torch.device:
 
 
 def rank_device(device: str) -> torch.device:
-    """The device of this process: `device` resolved, and on CUDA under torchrun this node's GPU of the
-    process's local rank (a plain `cuda` would put every process on GPU 0)."""
+    """The device of this process: `device` resolved, and on CUDA with an index: this node's GPU of the
+    process's local rank under torchrun (a plain `cuda` would put every process on GPU 0), else GPU 0
+    (`torch.cuda.set_device` refuses a device without an index)."""
     where = resolve_device(device)
-    if where.type == "cuda" and where.index is None and "LOCAL_RANK" in os.environ:
-        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    if where.type == "cuda" and where.index is None:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return where
