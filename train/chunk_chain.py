@@ -32,6 +32,14 @@ def _scaled_gradient(
     return torch.mul(u.sub_(value[:, None]).mul_(p_s), scale[:, None], out=out)
 
 
+def _shift_by_max(zs: torch.Tensor, zt: torch.Tensor, group: Any) -> torch.Tensor:
+    """Each row of both sides less its (tensor-parallel global) max, in place; the maxes [C, 2]."""
+    maxes = all_reduce(torch.stack([zs.amax(1), zt.amax(1)], 1), dist.ReduceOp.MAX, group)
+    zs.sub_(maxes[:, :1])
+    zt.sub_(maxes[:, 1:])
+    return maxes
+
+
 def _reverse_kl(
     zs: torch.Tensor,
     zt: torch.Tensor,
@@ -47,9 +55,7 @@ def _reverse_kl(
     (e_s ⊙ w − ⟨w⟩ e_s) / Σ_s with ⟨w⟩ = ⟨e_s, w⟩ / Σ_s. Neither p_s nor the log-probabilities are
     formed, and one collective carries the three row sums.
     """
-    maxes = all_reduce(torch.stack([zs.amax(1), zt.amax(1)], 1), dist.ReduceOp.MAX, group)
-    zs.sub_(maxes[:, :1])
-    zt.sub_(maxes[:, 1:])
+    _shift_by_max(zs, zt, group)
     sum_t = torch.exp(zt, out=scratch).sum(1)
     w = torch.sub(zs, zt, out=zt)
     if valid_V is not None:  # padded columns: −inf − −inf; e_s = 0 there, so w = 0 gives 0 · w = 0
@@ -85,9 +91,7 @@ def soft_value_and_grad(
     if kind == "reverse_kl":
         return _reverse_kl(zs, zt, ps, valid_V, scale_C, group)
     pt = buffers["pt"] if kind in NEEDS_P_T else None
-    maxes = all_reduce(torch.stack([zs.amax(1), zt.amax(1)], 1), dist.ReduceOp.MAX, group)
-    zs.sub_(maxes[:, :1])
-    zt.sub_(maxes[:, 1:])
+    maxes = _shift_by_max(zs, zt, group)
     sum_t = torch.exp(zt, out=ps if pt is None else pt).sum(1)  # ps is only scratch here
     sum_s = torch.exp(zs, out=ps).sum(1)
     sums = all_reduce(torch.stack([sum_s, sum_t], 1), dist.ReduceOp.SUM, group)
