@@ -13,6 +13,7 @@ import click
 
 from mopd.cli.precompute_command import precompute_command
 from mopd.cli.quickstart import quickstart_command
+from mopd.cli.rollout_commands import rollout_command, rounds_command
 from mopd.cli.store_commands import inspect_command, verify_manifest_command
 from mopd.cli.train_command import export_hf_command, train_command
 from mopd.store.errors import MopdError
@@ -53,6 +54,8 @@ cli.add_command(verify_manifest_command)
 cli.add_command(inspect_command)
 cli.add_command(train_command)
 cli.add_command(export_hf_command)
+cli.add_command(rollout_command)
+cli.add_command(rounds_command)
 cli.add_command(quickstart_command)
 
 

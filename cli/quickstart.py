@@ -18,7 +18,14 @@ from rich.console import Console
 from rich.table import Table
 
 from mopd.cli.console import plain_log, stderr_console
-from mopd.cli.quickstart_assets import BIG_TEACHER, SMALL_TEACHER, STUDENT, prepare_models, write_dataset
+from mopd.cli.quickstart_assets import (
+    BIG_TEACHER,
+    SMALL_TEACHER,
+    STUDENT,
+    prepare_models,
+    write_dataset,
+    write_prompts,
+)
 from mopd.cli.store_commands import format_size
 from mopd.config.mopd_config import load_config
 from mopd.store.errors import MopdError
@@ -63,6 +70,20 @@ def quickstart_config(size: Size) -> dict:
             "checkpoint": {"every": size.steps, "keep": 1},
             "output_dir": f"{size.name}-run",
         },
+        # The on-policy path (`mopd rounds` on this config, docs/on-policy.md): the student samples
+        # prompts of its own, the teachers score its samples, it trains; 3 rounds.
+        "rollout": {
+            "prompts": f"{size.name}-prompts.jsonl",
+            "samples_per_prompt": 2,
+            "max_new_tokens": 48,
+            "output": f"{size.name}-rollout.parquet",
+        },
+        "rounds": {
+            "count": 3,
+            "steps_per_round": max(2, size.steps // 5),
+            "workdir": f"{size.name}-rounds",
+            "heldout_prompts": f"{size.name}-heldout-prompts.jsonl",
+        },
     }
 
 
@@ -78,6 +99,8 @@ def run_quickstart(workdir: Path, *, small: bool, console: Console) -> Table:
     console.rule("1/4 prepare teachers, student and data (offline)")
     prepare_models(workdir, plain_log(console))
     write_dataset(workdir / f"{size.name}.jsonl", size.rows_per_agent)
+    write_prompts(workdir / f"{size.name}-prompts.jsonl", max(2, size.rows_per_agent // 4), seed=1)
+    write_prompts(workdir / f"{size.name}-heldout-prompts.jsonl", max(2, size.rows_per_agent // 8), seed=2)
     config_path = workdir / f"{size.name}.yaml"
     config_path.write_text(yaml.safe_dump(quickstart_config(size), sort_keys=False))
     config = load_config(config_path)
@@ -131,6 +154,11 @@ def run_quickstart(workdir: Path, *, small: bool, console: Console) -> Table:
         f"full-vocabulary logits ({logits / summary.stored_bytes:.0f}x the hidden states)"
     )
     console.print(f"plot: {trained.output / 'metrics.png'} · student checkpoint: {trained.checkpoint}")
+    console.print(
+        f"next, on-policy: `mopd rounds {config_path}` — the student samples its own completions of "
+        f"{config.rollout.prompts if config.rollout else 'the prompts'}, the teachers score them, it "
+        "trains, 3 rounds (docs/on-policy.md)"
+    )
     return table
 
 

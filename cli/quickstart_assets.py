@@ -147,6 +147,21 @@ def write_dataset(path: Path, rows_per_agent: int, seed: int = 0) -> Path:
     return path
 
 
+def write_prompts(path: Path, count_per_agent: int, seed: int) -> Path:
+    """Prompts for on-policy rounds: the user turns of fresh rows (another seed than the dataset's),
+    each with an `id` and its agent."""
+    rows = json_rows(write_dataset(path, count_per_agent, seed=seed))
+    prompts = [
+        {"id": f"q{k}", "agent": r["agent"], "messages": r["messages"][:1]} for k, r in enumerate(rows)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in prompts))
+    return path
+
+
+def json_rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def prepare_models(workdir: Path, log: Log) -> dict[str, Path]:
     """The two teachers and the student under `workdir/models` (converted or cut once)."""
     models = workdir / "models"

@@ -14,6 +14,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from mopd.config.precompute import DataConfig, PrecomputeConfig, RoutingConfig
+from mopd.config.rollout import RolloutConfig, RoundsConfig
 from mopd.config.train import TrainConfig
 from mopd.store.config import Section, StoreConfig
 from mopd.store.errors import ConfigError
@@ -28,6 +29,8 @@ class MopdConfig(Section):
     store: StoreConfig = StoreConfig()
     precompute: PrecomputeConfig = PrecomputeConfig()
     train: TrainConfig | None = None
+    rollout: RolloutConfig | None = None
+    rounds: RoundsConfig | None = None
 
     @model_validator(mode="after")
     def _aliases_exist(self) -> MopdConfig:
@@ -56,6 +59,15 @@ class MopdConfig(Section):
                     "train.teacher_weights: every teacher's weight is 0 (and ce_weight is 0), so the loss is "
                     "0 and nothing would train; give at least one teacher a positive weight"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _rounds_have_what_they_run(self) -> MopdConfig:
+        if self.rounds is not None and (self.rollout is None or self.train is None):
+            missing = " and ".join(s for s in ("rollout", "train") if getattr(self, s) is None)
+            raise ValueError(
+                f"rounds: each round samples (rollout) and trains (train); add the {missing} section"
+            )
         return self
 
     def agent_to_alias(self) -> dict[str, str]:
@@ -168,6 +180,10 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
         ("store", "path", as_path),
         ("train", "student", as_checkpoint),
         ("train", "output_dir", as_path),
+        ("rollout", "prompts", as_path),
+        ("rollout", "output", as_path),
+        ("rounds", "workdir", as_path),
+        ("rounds", "heldout_prompts", as_path),
     ):
         block = out.get(section)
         if isinstance(block, dict) and isinstance(block.get(key), str):

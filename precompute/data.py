@@ -202,7 +202,7 @@ def detect_format(columns: Sequence[str]) -> str:
     )
 
 
-def _next_token_mask(trained_tokens: np.ndarray) -> np.ndarray:
+def next_token_mask(trained_tokens: np.ndarray) -> np.ndarray:
     """loss_mask[t] = trained_tokens[t + 1]: position t predicts token t + 1; the last never trains."""
     mask = np.zeros(trained_tokens.shape[0], dtype=np.uint8)
     mask[:-1] = trained_tokens[1:]
@@ -231,7 +231,7 @@ def _tokenize_messages(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[
                 "mopd cannot locate assistant turns (use prompt + completion instead)"
             )
         trained[start:stop] = 1
-    return ids, _next_token_mask(trained)
+    return ids, next_token_mask(trained)
 
 
 def _tokenize_records(
@@ -242,14 +242,14 @@ def _tokenize_records(
     if input_format == "text":
         encoded = tokenizer(batch["text"])["input_ids"]
         rows = [np.asarray(e, dtype=np.int64) for e in encoded]
-        return [(ids, _next_token_mask(np.ones_like(ids, dtype=np.uint8))) for ids in rows]
+        return [(ids, next_token_mask(np.ones_like(ids, dtype=np.uint8))) for ids in rows]
     if input_format == "prompt+completion":
         prompts = tokenizer(batch["prompt"])["input_ids"]
         completions = tokenizer(batch["completion"], add_special_tokens=False)["input_ids"]
         out = []
         for prompt, completion in zip(prompts, completions, strict=True):
             trained = np.r_[np.zeros(len(prompt), np.uint8), np.ones(len(completion), np.uint8)]
-            out.append((np.array([*prompt, *completion], dtype=np.int64), _next_token_mask(trained)))
+            out.append((np.array([*prompt, *completion], dtype=np.int64), next_token_mask(trained)))
         return out
     if input_format == "messages":
         return [_tokenize_messages(tokenizer, list(m)) for m in batch["messages"]]
@@ -258,7 +258,7 @@ def _tokenize_records(
         ids = np.asarray(batch["input_ids"][k], dtype=np.int64)
         given = batch["loss_mask"][k] if "loss_mask" in batch else None
         if given is None:
-            out.append((ids, _next_token_mask(np.ones_like(ids, dtype=np.uint8))))
+            out.append((ids, next_token_mask(np.ones_like(ids, dtype=np.uint8))))
             continue
         mask = np.asarray(given, dtype=np.uint8)
         if mask.shape != ids.shape:

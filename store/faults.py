@@ -9,7 +9,8 @@ store/arrays.py, store/writer.py, train/checkpoint.py):
 
 Points: `<what>-written` (a shard, checkpoint or record's bytes are on disk, not yet durable),
 `<what>-fsynced`, `<what>-renamed` (published), `<what>-linked` (a record created no-clobber), for
-`what` in shard, part, manifest, checkpoint. Operations: write, fsync, rename, link.
+`what` in shard, part, manifest, checkpoint; and `samples-renamed` (a rollout's part of samples is
+published). Operations: write, fsync, rename, link.
 """
 
 from __future__ import annotations

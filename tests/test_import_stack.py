@@ -1,6 +1,6 @@
 """Guard: store/ at the bottom, then config/ (the YAML config's model, which the store never needs),
-mcore/ (Megatron-core models); precompute/ and train/ above them, never importing each other; cli/ on
-top."""
+mcore/ (Megatron-core models); precompute/ and train/ above them, never importing each other; rollout/
+(the student's own samples, rounds of sample, score, train) above both; cli/ on top."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LAYERS = ("store", "config", "mcore", "precompute", "train", "cli")
+LAYERS = ("store", "config", "mcore", "precompute", "train", "rollout", "cli")
 ALLOWED = {
     "store": {"store"},
     "config": {"store", "config"},
     "mcore": {"store", "config", "mcore"},
     "precompute": {"store", "config", "mcore", "precompute"},
     "train": {"store", "config", "mcore", "train"},
-    "cli": {"store", "config", "mcore", "precompute", "train", "cli"},
+    "rollout": {"store", "config", "mcore", "precompute", "train", "rollout"},
+    "cli": {"store", "config", "mcore", "precompute", "train", "rollout", "cli"},
 }
 # The store is read by plain numerical code; distributed process groups belong to the trainer. mcore
 # takes its parallel layout from the config package, never from the store's config module.

@@ -1,0 +1,1 @@
+"""mopd.rollout: the student samples its own rows (`mopd rollout`), and rounds of sample, score, train."""

@@ -1,0 +1,165 @@
+"""The prompts a rollout continues, tokenised exactly as `mopd precompute` tokenises the start of a row.
+
+A `prompt` row is `tokenizer(prompt)` (special tokens added), as precompute tokenises the prompt of a
+`prompt` + `completion` row. A `messages` row whose last turn is the user's is the chat template with
+the generation prompt, as precompute renders the conversation up to an assistant turn. So the ids the
+student continues are the ids precompute will put before its completion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from mopd.config.mopd_config import MopdConfig
+from mopd.config.rollout import RolloutConfig
+from mopd.precompute.data import load_records
+from mopd.store.errors import ConfigError
+
+PromptFormat = Literal["prompt", "messages"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    index: int  # the row of the prompts dataset
+    key: str  # its `id`, else `p<index>`
+    ids: list[int]
+    route: str | None  # its routing column's value, when the dataset has one
+    text: str | None  # prompt format
+    messages: list[dict[str, str]] | None  # messages format
+    truncated: bool
+
+
+def chat_turn_end(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The ids the chat template writes after an assistant turn's content (e.g. `<|im_end|>`, `\\n`).
+
+    Raises:
+        ConfigError: the template does not render the conversation prefix by prefix.
+    """
+
+    def render(conversation: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        ids = tokenizer.apply_chat_template(
+            conversation, tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
+        )
+        return [int(t) for t in ids]
+
+    opened = render(messages, True)
+    closed = render([*messages, {"role": "assistant", "content": ""}], False)
+    if closed[: len(opened)] != opened or len(closed) == len(opened):
+        raise ConfigError(
+            "the chat template does not render a conversation prefix by prefix, so mopd cannot tell where "
+            "the student's turn starts and ends; use `prompt` rows instead"
+        )
+    return closed[len(opened) :]
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    prompts: list[Prompt]
+    format: PromptFormat
+    route_field: str | None  # the routing column carried over, None when the dataset has none
+    num_dropped: int
+    fingerprint: str  # sha256 of every prompt's ids and key: what a resumed rollout must continue
+    turn_end: list[int]  # messages format: the ids that close an assistant turn (chat_turn_end)
+
+    @property
+    def num_truncated(self) -> int:
+        return sum(p.truncated for p in self.prompts)
+
+
+def prompt_format(columns: list[str], *, path: str) -> PromptFormat:
+    if "prompt" in columns:
+        return "prompt"
+    if "messages" in columns:
+        return "messages"
+    raise ConfigError(
+        f"rollout.prompts {path}: columns {sorted(columns)} hold no prompt; give each row a `prompt` "
+        "(text) or `messages` whose last turn is the user's"
+    )
+
+
+def _chat_prompt(messages: Any, row: int) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"rollout.prompts row {row}: `messages` is empty; it needs at least one user turn")
+    last = messages[-1]
+    if not isinstance(last, dict) or last.get("role") != "user":
+        role = last.get("role") if isinstance(last, dict) else None
+        raise ConfigError(
+            f"rollout.prompts row {row}: the last turn is {role!r}, not the user's; the student writes the "
+            "assistant turn that answers it"
+        )
+    return [dict(m) for m in messages]
+
+
+def _tokenize(tokenizer: Any, record: dict[str, Any], fmt: PromptFormat, row: int) -> list[int]:
+    if fmt == "messages":
+        messages = _chat_prompt(record.get("messages"), row)
+        ids = tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        return [int(t) for t in ids]
+    text = record.get("prompt")
+    if not isinstance(text, str) or not text:
+        raise ConfigError(f"rollout.prompts row {row}: no prompt (the `prompt` field is empty or missing)")
+    return [int(t) for t in tokenizer(text)["input_ids"]]
+
+
+def read_prompts(config: MopdConfig, rollout: RolloutConfig, tokenizer: Any, *, path: str) -> PromptSet:
+    """Reads and tokenises the prompts of `path`; applies `data.overlong` to prompts that leave fewer
+    than `max_new_tokens` (and a chat turn's closing tail) of `data.max_length` (truncate: keep the
+    prompt's first tokens; drop: leave it out).
+
+    Raises:
+        ConfigError: no prompt column, an empty prompt, a chat that does not end with the user, no
+            routing column (and no default teacher), or no room for any completion.
+    """
+    records = load_records(path)
+    columns = list(records.column_names)
+    fmt = prompt_format(columns, path=path)
+    probe = [{"role": "user", "content": "?"}]
+    turn_end = chat_turn_end(tokenizer, probe) if fmt == "messages" else []
+    # A stopped chat turn ends with the template's tail after the stop id: room for it too.
+    room = config.data.max_length - rollout.max_new_tokens - max(0, len(turn_end) - 1)
+    if room < 1:
+        raise ConfigError(
+            f"rollout.max_new_tokens {rollout.max_new_tokens} leaves no room for a prompt in data.max_length "
+            f"{config.data.max_length}; lower it or raise data.max_length"
+        )
+    field = config.routing.field if config.routing.field in columns else None
+    if field is None and config.routing.default_teacher is None:
+        raise ConfigError(
+            f"rollout.prompts {path} has no routing column {config.routing.field!r} (columns: "
+            f"{sorted(columns)}); add it, or set routing.default_teacher"
+        )
+    prompts, dropped = [], 0
+    digest = hashlib.sha256()
+    for row, record in enumerate(records):
+        ids = _tokenize(tokenizer, record, fmt, row)
+        cut = len(ids) > room
+        if cut and config.data.overlong == "drop":
+            dropped += 1
+            continue
+        if cut and fmt == "messages":
+            raise ConfigError(
+                f"rollout.prompts row {row}: its chat prompt has {len(ids)} tokens, more than "
+                f"data.max_length − rollout.max_new_tokens = {room}; a chat cannot be cut without losing its "
+                "generation prompt: shorten it, raise data.max_length, or set data.overlong: drop"
+            )
+        ids = ids[:room]
+        key = str(record["id"]) if record.get("id") is not None else f"p{row}"
+        digest.update(f"{key}\0{ids}\0".encode())
+        prompts.append(
+            Prompt(
+                index=row,
+                key=key,
+                ids=ids,
+                route=str(record[field]) if field is not None else None,
+                text=tokenizer.decode(ids, skip_special_tokens=False) if cut else record.get("prompt"),
+                messages=record.get("messages") if fmt == "messages" else None,
+                truncated=cut,
+            )
+        )
+    if not prompts:
+        raise ConfigError(f"rollout.prompts {path}: no prompt is left (all {dropped} are over the limit)")
+    return PromptSet(prompts, fmt, field, dropped, digest.hexdigest(), turn_end)

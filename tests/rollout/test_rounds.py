@@ -1,0 +1,148 @@
+"""Acceptance of `mopd rounds` on tiny models: two rounds end to end; SIGKILLs in round 2's precompute and
+in its training, then a rerun, give the uninterrupted run's final student bit for bit (CPU, fp32)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from mopd.config.mopd_config import load_config
+from mopd.rollout.rounds import Rounds, run_rounds
+from mopd.store.errors import ConfigError
+from mopd.train.checkpoint import complete_checkpoints
+from tests.precompute.teachers import agent_records, write_jsonl
+from tests.train.world import World, write_train_config
+
+
+def rounds_config(world: World, folder: Path, *, count: int, **rounds: Any) -> Path:
+    """Both world teachers; 8 chat prompts (2 samples each), 4 held-out ones; 4 steps a round."""
+    records = agent_records(12)
+    prompts = [{"id": r["id"], "agent": r["agent"], "messages": r["messages"][:1]} for r in records]
+    path = write_train_config(
+        folder,
+        world.teachers,
+        data=world.data,
+        store=folder / "unused.zarr",
+        student=world.student,
+        checkpoint={"every": 2, "keep": 2},
+    )
+    raw = yaml.safe_load(path.read_text())
+    raw["rollout"] = {
+        "prompts": str(write_jsonl(folder / "prompts.jsonl", prompts[:8])),
+        "samples_per_prompt": 2,
+        "max_new_tokens": 24,
+    }
+    raw["rounds"] = {
+        "count": count,
+        "steps_per_round": 4,
+        "workdir": str(folder / "rounds"),
+        "heldout_prompts": str(write_jsonl(folder / "heldout.jsonl", prompts[8:])),
+        **rounds,
+    }
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def final_weights(workdir: Path) -> dict[str, Any]:
+    last = complete_checkpoints(workdir / "round-002" / "run" / "checkpoints")[-1]
+    assert last.name.endswith("4")
+    return load_file(last / "model" / "model.safetensors")
+
+
+def mopd_rounds(config: Path, fault: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **({"MOPD_FAULT": fault} if fault else {})}
+    command = [sys.executable, "-m", "mopd.cli", "rounds", str(config)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+
+
+@pytest.mark.slow
+def test_two_rounds_and_a_killed_run_that_resumes_bit_identically(world: World, tmp_path: Path) -> None:
+    whole = tmp_path / "whole"
+    run_rounds(load_config(rounds_config(world, whole, count=2)), log=lambda _line: None)
+    records = [json.loads(line) for line in (whole / "rounds" / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [0, 1, 2]
+    for record in records:
+        assert set(record["heldout_by_teacher"]) == {"math", "code"} and record["heldout_tokens"] > 0
+        assert (record["sampling_temperature"], record["loss_temperature"]) == (1.0, 1.0)
+    assert (whole / "rounds" / "heldout.png").stat().st_size > 0
+    for r in (1, 2):  # round r samples with round r − 1's student and trains from its checkpoint
+        rows = whole / "rounds" / f"round-{r:03d}" / "samples.parquet"
+        table = pq.read_table(rows).to_pylist()
+        assert len(table) == 16 and {row["round"] for row in table} == {r}
+        expected = str(world.student) if r == 1 else str(whole / "rounds" / "round-001" / "student")
+        assert {row["student"] for row in table} == {expected}
+
+    killed = tmp_path / "killed"
+    assert mopd_rounds(rounds_config(world, killed, count=1)).returncode == 0
+    config = rounds_config(world, killed, count=2)  # one more round in the same workdir
+    assert mopd_rounds(config, "kill@task-renamed:2").returncode == -9  # round 2's precompute
+    assert not (killed / "rounds" / "round-002" / "store.zarr" / "manifest.json").exists()
+    assert mopd_rounds(config, "kill@checkpoint-written:2").returncode == -9  # round 2's step 4
+    assert len(complete_checkpoints(killed / "rounds" / "round-002" / "run" / "checkpoints")) == 1
+    done = [
+        *(killed / "rounds" / "round-001").rglob("*"),
+        killed / "rounds" / "round-002" / "samples.parquet",
+    ]
+    stamps = {path: path.stat().st_mtime_ns for path in done}
+    finished = mopd_rounds(config)
+    assert finished.returncode == 0, finished.stderr
+    assert "resuming from" in finished.stderr
+    assert {path: path.stat().st_mtime_ns for path in done} == stamps  # nothing finished is redone
+    reference, resumed = final_weights(whole / "rounds"), final_weights(killed / "rounds")
+    assert reference.keys() == resumed.keys()
+    for name, tensor in reference.items():
+        assert resumed[name].equal(tensor), name
+
+
+@pytest.mark.slow
+def test_off_policy_rows_are_mixed_in_at_the_fraction(world: World, tmp_path: Path) -> None:
+    """off_policy_fraction 0.5: as many rows of data.path (tokenised as precompute does) as samples."""
+    from mopd.store.reader import open_store
+
+    config = rounds_config(world, tmp_path, count=1, off_policy_fraction=0.5, heldout_prompts=None)
+    run_rounds(load_config(config), log=lambda _line: None)
+    folder = tmp_path / "rounds" / "round-001"
+    mixed = pq.read_table(folder / "data.parquet").to_pylist()
+    assert [row["policy"] for row in mixed] == ["on"] * 16 + ["off"] * 16
+    samples = {row["id"]: row for row in pq.read_table(folder / "samples.parquet").to_pylist()}
+    for row in mixed[:16]:
+        assert row["input_ids"] == samples[row["id"]]["input_ids"]
+    assert {row["agent"] for row in mixed[16:]} == {"math", "code"}
+    assert open_store(folder / "store.zarr").num_rows == 32
+    assert not (tmp_path / "rounds" / "rounds.jsonl").exists()  # no held-out prompts, no evaluation
+
+    raw = yaml.safe_load(config.read_text())
+    raw["rollout"]["temperature"] = 0.7  # another config for the same workdir
+    config.write_text(yaml.safe_dump(raw))
+    with pytest.raises(
+        ConfigError, match=r"holds rounds of another config \(sections that differ: rollout\)"
+    ):
+        run_rounds(load_config(config), log=lambda _line: None)
+    raw["rollout"]["temperature"], raw["rounds"]["count"] = 1.0, 2  # only rounds.count may change
+    config.write_text(yaml.safe_dump(raw))
+    assert Rounds(load_config(config), lambda _line: None).check_settings() is None
+
+
+@pytest.mark.slow
+def test_a_megatron_student_samples_through_its_export(world: World, tmp_path: Path) -> None:
+    """train.backend megatron: round 2 samples with round 1's student exported to transformers."""
+    config = rounds_config(world, tmp_path, count=2)
+    raw = yaml.safe_load(config.read_text())
+    raw["train"]["backend"] = "megatron"
+    config.write_text(yaml.safe_dump(raw))
+    run_rounds(load_config(config), log=lambda _line: None)
+    workdir = tmp_path / "rounds"
+    assert (workdir / "round-001" / "student" / "config.json").exists()
+    samples = pq.read_table(workdir / "round-002" / "samples.parquet").to_pylist()
+    assert {row["student"] for row in samples} == {str(workdir / "round-001" / "student")}
+    records = [json.loads(line) for line in (workdir / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [0, 1, 2]
