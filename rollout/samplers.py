@@ -65,6 +65,10 @@ class HFSampler:
             self.model = AutoModelForCausalLM.from_pretrained(student, dtype=dtype).to(self.device).eval()
         except (OSError, ValueError) as err:
             raise ConfigError(f"student {student} cannot be loaded by transformers ({err})") from err
+        # generate() fills every setting left unset from the checkpoint's own generation config (a
+        # repetition penalty, a top-k, a min-p, ...): replace it by the neutral one, so that only the
+        # settings below shape the samples.
+        self.model.generation_config = GenerationConfig()
         self.rollout = rollout
         self.stop_ids = stop_ids
         self.generation = GenerationConfig(

@@ -235,3 +235,24 @@ def test_a_killed_rollout_resumes_to_the_same_bytes(models: Models, tmp_path: Pa
     restarted = run_rollout(config_seed0, log=lines.append).output
     assert any("holds parts of another rollout" in line for line in lines)
     assert restarted.read_bytes() == whole.read_bytes()
+
+
+def test_the_checkpoints_own_generation_defaults_do_not_apply(models: Models, tmp_path: Path) -> None:
+    """A student whose generation_config.json sets a repetition penalty, top-k 1 and min-p samples as
+    the same weights without that file: only the rollout's settings shape the samples (hf; the vllm
+    sampler asks vLLM for its neutral defaults, `generation_config="vllm"`)."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    opinionated = tmp_path / "opinionated"
+    shutil.copytree(models.student, opinionated)
+    GenerationConfig(
+        do_sample=True, repetition_penalty=5.0, top_k=1, min_p=0.5, temperature=0.3
+    ).save_pretrained(opinionated)
+    prompts = text_prompts(4)
+    plain = roll(tmp_path / "plain", models, prompts)
+    config = load_config(rollout_config(tmp_path / "own", models, prompts))
+    own = run_rollout(config, student=str(opinionated), log=lambda _line: None).output
+    ids = [pq.read_table(path).column("input_ids").to_pylist() for path in (plain, own)]
+    assert ids[0] == ids[1]
