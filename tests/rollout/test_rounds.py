@@ -34,12 +34,14 @@ def rounds_config(world: World, folder: Path, *, count: int, **rounds: Any) -> P
         store=folder / "unused.zarr",
         student=world.student,
         checkpoint={"every": 2, "keep": 2},
+        divergence={"temperature": 1.5},  # the loss temperature, not the sampling one
     )
     raw = yaml.safe_load(path.read_text())
     raw["rollout"] = {
         "prompts": str(write_jsonl(folder / "prompts.jsonl", prompts[:8])),
         "samples_per_prompt": 2,
         "max_new_tokens": 24,
+        "temperature": 0.9,
     }
     raw["rounds"] = {
         "count": count,
@@ -72,12 +74,13 @@ def test_two_rounds_and_a_killed_run_that_resumes_bit_identically(world: World, 
     assert [r["round"] for r in records] == [0, 1, 2]
     for record in records:
         assert set(record["heldout_by_teacher"]) == {"math", "code"} and record["heldout_tokens"] > 0
-        assert (record["sampling_temperature"], record["loss_temperature"]) == (1.0, 1.0)
+        assert (record["sampling_temperature"], record["loss_temperature"]) == (0.9, 1.5)
     assert (whole / "rounds" / "heldout.png").stat().st_size > 0
     for r in (1, 2):  # round r samples with round r − 1's student and trains from its checkpoint
         rows = whole / "rounds" / f"round-{r:03d}" / "samples.parquet"
         table = pq.read_table(rows).to_pylist()
         assert len(table) == 16 and {row["round"] for row in table} == {r}
+        assert {row["sampling_temperature"] for row in table} == {0.9}
         expected = str(world.student) if r == 1 else str(whole / "rounds" / "round-001" / "student")
         assert {row["student"] for row in table} == {expected}
 
@@ -127,7 +130,7 @@ def test_off_policy_rows_are_mixed_in_at_the_fraction(world: World, tmp_path: Pa
         ConfigError, match=r"holds rounds of another config \(sections that differ: rollout\)"
     ):
         run_rounds(load_config(config), log=lambda _line: None)
-    raw["rollout"]["temperature"], raw["rounds"]["count"] = 1.0, 2  # only rounds.count may change
+    raw["rollout"]["temperature"], raw["rounds"]["count"] = 0.9, 2  # only rounds.count may change
     config.write_text(yaml.safe_dump(raw))
     assert Rounds(load_config(config), lambda _line: None).check_settings() is None
 
