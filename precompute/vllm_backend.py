@@ -33,8 +33,9 @@ INSTALL_HINT = (
 )
 
 
-def import_vllm() -> Any:
-    """vLLM, imported in-process (its engine in this process: faster start, one teacher at a time).
+def import_vllm(what: str = "precompute.backend vllm") -> Any:
+    """vLLM, imported in-process (its engine in this process: faster start, one model at a time);
+    `what` names the setting that asked for it in errors.
 
     Raises:
         ConfigError: vLLM is not installed, or a CUDA-only companion package breaks its import.
@@ -44,9 +45,9 @@ def import_vllm() -> Any:
     try:
         import vllm
     except ImportError as err:
-        raise ConfigError(f"precompute.backend vllm: vLLM is not installed ({err}); {INSTALL_HINT}") from err
+        raise ConfigError(f"{what}: vLLM is not installed ({err}); {INSTALL_HINT}") from err
     except (OSError, RuntimeError) as err:
-        raise ConfigError(f"precompute.backend vllm: vLLM does not import ({err}); {INSTALL_HINT}") from err
+        raise ConfigError(f"{what}: vLLM does not import ({err}); {INSTALL_HINT}") from err
     return vllm
 
 
@@ -148,9 +149,15 @@ class VLLMTeacher:
 
     def close(self) -> None:
         """Shuts the engine down and frees its memory, so that the next teacher can load."""
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        self._llm.llm_engine.engine_core.shutdown()
+        shutdown(self._llm)
         del self._llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
+
+
+def shutdown(llm: Any) -> None:
+    """Stops an in-process vLLM engine and frees its memory and process-group state, so that another
+    engine can start in this process."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+    cleanup_dist_env_and_memory()

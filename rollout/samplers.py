@@ -8,7 +8,6 @@ not depend on which other prompts share its batch: a resumed rollout writes what
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -107,17 +106,17 @@ class VLLMSampler:
     def __init__(
         self, student: str, rollout: RolloutConfig, *, stop_ids: frozenset[int], max_model_len: int
     ) -> None:
-        from mopd.precompute.vllm_backend import INSTALL_HINT
+        from mopd.precompute.vllm_backend import import_vllm, kv_cache_bytes
 
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        try:
-            import vllm
-        except ImportError as err:
-            raise ConfigError(f"rollout.backend vllm: vLLM is not installed ({err}); {INSTALL_HINT}") from err
-        except (OSError, RuntimeError) as err:
-            raise ConfigError(f"rollout.backend vllm: vLLM does not import ({err}); {INSTALL_HINT}") from err
+        vllm = import_vllm("rollout.backend vllm")
         device = resolve_device(rollout.device)
+        dtype = resolve_dtype(rollout.dtype, device)
+        # On a GPU vLLM takes its share of the device; on the CPU that share is of the machine's memory,
+        # so reserve what one part's sequences can hold at their longest, and no more.
+        sequences = rollout.prompts_per_part * rollout.samples_per_prompt
+        cache = kv_cache_bytes(
+            student, dtype=dtype, tokens=sequences * max_model_len, trust_remote_code=False
+        )
         self.rollout = rollout
         self.stop_ids = stop_ids
         self._vllm = vllm
@@ -125,9 +124,10 @@ class VLLMSampler:
             self._llm = vllm.LLM(
                 model=student,
                 runner="generate",
-                dtype="bfloat16" if resolve_dtype(rollout.dtype, device) == torch.bfloat16 else "float32",
+                dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
                 max_model_len=max_model_len,
                 enforce_eager=device.type == "cpu",
+                kv_cache_memory_bytes=cache if device.type == "cpu" else None,
                 generation_config="vllm",  # vLLM's neutral defaults, not the checkpoint's
                 seed=rollout.seed,
             )
@@ -157,6 +157,9 @@ class VLLMSampler:
         ]
 
     def close(self) -> None:
+        from mopd.precompute.vllm_backend import shutdown
+
+        shutdown(self._llm)
         del self._llm
 
 
