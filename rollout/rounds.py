@@ -255,6 +255,7 @@ def plot_rounds(records: list[dict[str, Any]], out: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for teacher in sorted({t for r in records for t in r["heldout_by_teacher"]}):
@@ -267,6 +268,7 @@ def plot_rounds(records: list[dict[str, Any]], out: Path) -> Path:
     ax.set(
         xlabel="round", ylabel="divergence per token", title="held-out divergence on the student's samples"
     )
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
