@@ -20,6 +20,7 @@ from mopd.rollout.rounds import Rounds, run_rounds
 from mopd.store.errors import ConfigError
 from mopd.train.checkpoint import complete_checkpoints
 from tests.precompute.teachers import agent_records, write_jsonl
+from tests.rollout.conftest import Models, chat_prompts, rollout_config
 from tests.train.world import World, write_train_config
 
 
@@ -149,3 +150,33 @@ def test_a_megatron_student_samples_through_its_export(world: World, tmp_path: P
     assert {row["student"] for row in samples} == {str(workdir / "round-001" / "student")}
     records = [json.loads(line) for line in (workdir / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_a_round_that_samples_with_vllm(models: Models, tmp_path: Path) -> None:
+    """rollout.backend vllm inside `mopd rounds`: three engines start and stop in one process (round 0's
+    held-out samples, round 1's samples, round 1's held-out samples), and the round trains on them."""
+    config = rollout_config(tmp_path, models, chat_prompts(6), backend="vllm", samples_per_prompt=2)
+    raw = yaml.safe_load(config.read_text())
+    raw["store"] = {"path": str(tmp_path / "unused.zarr"), "dtype": "float32"}
+    raw["precompute"] = {"rows_per_task": 8, "dtype": "float32"}
+    raw["train"].update(
+        steps=2,
+        batch={"micro_batch_tokens": 512, "global_batch_tokens": 512},
+        divergence={"chunk_size": 64},
+        output_dir=str(tmp_path / "run"),
+    )
+    raw["rounds"] = {
+        "count": 1,
+        "steps_per_round": 2,
+        "workdir": str(tmp_path / "rounds"),
+        "heldout_prompts": str(write_jsonl(tmp_path / "heldout.jsonl", chat_prompts(8)[6:])),
+    }
+    config.write_text(yaml.safe_dump(raw))
+    run_rounds(load_config(config), log=lambda _line: None)
+    workdir = tmp_path / "rounds"
+    samples = pq.read_table(workdir / "round-001" / "samples.parquet").to_pylist()
+    assert len(samples) == 12 and {row["sampling_backend"] for row in samples} == {"vllm"}
+    records = [json.loads(line) for line in (workdir / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [0, 1] and all(r["heldout_tokens"] > 0 for r in records)
+    assert len(complete_checkpoints(workdir / "round-001" / "run" / "checkpoints")) == 1
