@@ -209,14 +209,21 @@ def next_token_mask(trained_tokens: np.ndarray) -> np.ndarray:
     return mask
 
 
+def render_chat(
+    tokenizer: Any, messages: Sequence[Mapping[str, str]], *, generation_prompt: bool
+) -> list[int]:
+    """The chat template's token ids of a conversation (with the assistant's generation prompt)."""
+    if not messages:
+        return []
+    ids = tokenizer.apply_chat_template(
+        list(messages), tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
+    )
+    return [int(t) for t in ids]
+
+
 def _tokenize_messages(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
     def render(upto: int, *, generation_prompt: bool) -> list[int]:
-        if upto == 0:
-            return []
-        ids = tokenizer.apply_chat_template(
-            messages[:upto], tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
-        )
-        return list(ids)
+        return render_chat(tokenizer, messages[:upto], generation_prompt=generation_prompt)
 
     ids = np.array(render(len(messages), generation_prompt=False), dtype=np.int64)
     trained = np.zeros(ids.shape[0], dtype=np.uint8)

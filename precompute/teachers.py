@@ -25,6 +25,11 @@ class TeacherSet:
         return alias_to_index(self.slots)
 
 
+def tokenizer_checkpoint(teachers: Mapping[str, str], tokenizer: str | None = None) -> str:
+    """The checkpoint whose tokenizer precompute tokenises with: `tokenizer`, else the first teacher's."""
+    return tokenizer or assign_teacher_indices(teachers)[0].checkpoint
+
+
 def resolve_teachers(teachers: Mapping[str, str], tokenizer: str | None = None) -> TeacherSet:
     """Numbers the teachers (alias → checkpoint), fingerprints them and checks they share the vocabulary of
     `tokenizer` (default: the first teacher's).
@@ -39,7 +44,7 @@ def resolve_teachers(teachers: Mapping[str, str], tokenizer: str | None = None) 
                 f"teachers.{slot.aliases[0]}: checkpoint {slot.checkpoint} does not exist (mopd loads local "
                 "checkpoints only; download it first)"
             )
-    tokenizer_path = tokenizer or slots[0].checkpoint
+    tokenizer_path = tokenizer_checkpoint(teachers, tokenizer)
     expected = vocab_hash(tokenizer_path)
     for slot in slots:
         if vocab_hash(slot.checkpoint) != expected:

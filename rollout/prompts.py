@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.rollout import RolloutConfig
-from mopd.precompute.data import load_records
+from mopd.precompute.data import load_records, render_chat
 from mopd.store.errors import ConfigError
 
 PromptFormat = Literal["prompt", "messages"]
@@ -37,15 +37,9 @@ def chat_turn_end(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     Raises:
         ConfigError: the template does not render the conversation prefix by prefix.
     """
-
-    def render(conversation: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-        ids = tokenizer.apply_chat_template(
-            conversation, tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
-        )
-        return [int(t) for t in ids]
-
-    opened = render(messages, True)
-    closed = render([*messages, {"role": "assistant", "content": ""}], False)
+    opened = render_chat(tokenizer, messages, generation_prompt=True)
+    empty_turn = [*messages, {"role": "assistant", "content": ""}]
+    closed = render_chat(tokenizer, empty_turn, generation_prompt=False)
     if closed[: len(opened)] != opened or len(closed) == len(opened):
         raise ConfigError(
             "the chat template does not render a conversation prefix by prefix, so mopd cannot tell where "
@@ -94,11 +88,7 @@ def _chat_prompt(messages: Any, row: int) -> list[dict[str, str]]:
 
 def _tokenize(tokenizer: Any, record: dict[str, Any], fmt: PromptFormat, row: int) -> list[int]:
     if fmt == "messages":
-        messages = _chat_prompt(record.get("messages"), row)
-        ids = tokenizer.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=True, return_dict=False
-        )
-        return [int(t) for t in ids]
+        return render_chat(tokenizer, _chat_prompt(record.get("messages"), row), generation_prompt=True)
     text = record.get("prompt")
     if not isinstance(text, str) or not text:
         raise ConfigError(f"rollout.prompts row {row}: no prompt (the `prompt` field is empty or missing)")

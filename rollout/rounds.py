@@ -29,17 +29,17 @@ from mopd.config.rollout import RoundsConfig
 from mopd.config.train import InitFromConfig, TrainConfig
 from mopd.precompute.data import load_records, tokenize_dataset
 from mopd.precompute.runner import run_precompute
-from mopd.precompute.teachers import load_tokenizer
-from mopd.rollout.rows import write_durably
-from mopd.rollout.runner import precompute_tokenizer, run_rollout
+from mopd.precompute.teachers import load_tokenizer, tokenizer_checkpoint
+from mopd.rollout.runner import run_rollout
 from mopd.store.errors import ConfigError, ManifestError
-from mopd.store.fsio import write_replace
+from mopd.store.fsio import write_replace, write_replace_with
 from mopd.store.manifest import MANIFEST_FILE, read_manifest
 from mopd.store.teachers import alias_to_index, assign_teacher_indices
 from mopd.store.verify import verify_store
 from mopd.train.checkpoint import complete_checkpoints, read_state
+from mopd.train.evaluation import evaluate_student
 from mopd.train.export import export_hf
-from mopd.train.trainer import evaluate_student, run_training
+from mopd.train.trainer import run_training
 
 Log = Callable[[str], None]
 SETTINGS_FILE = "rounds.json"
@@ -148,7 +148,7 @@ class Rounds:
                 off_rows.cast(on_rows.schema).append_column("policy", pa.array(["off"] * count)),
             ]
         )
-        write_durably(out, lambda temp: pq.write_table(mixed, temp))
+        write_replace_with(out, lambda temp: pq.write_table(mixed, temp))
         self.log(f"round {r}: {on.num_rows} samples + {count} rows of {self.config.data.path}")
         return out
 
@@ -160,7 +160,7 @@ class Rounds:
             routing=self.config.routing,
             agent_to_alias=self.config.agent_to_alias(),
             alias_index=alias_to_index(assign_teacher_indices(self.config.teachers)),
-            tokenizer=load_tokenizer(precompute_tokenizer(self.config)),
+            tokenizer=load_tokenizer(tokenizer_checkpoint(self.config.teachers, self.config.tokenizer)),
         ).table
 
     def score(self, config: MopdConfig) -> None:
@@ -272,7 +272,7 @@ def plot_rounds(records: list[dict[str, Any]], out: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    write_durably(out, lambda temp: fig.savefig(temp, format="png"))
+    write_replace_with(out, lambda temp: fig.savefig(temp, format="png"))
     plt.close(fig)
     return out
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from mopd.rollout.prompts import Prompt, PromptFormat
 from mopd.rollout.samplers import Completion
 from mopd.store import faults
 from mopd.store.errors import ConfigError
-from mopd.store.fsio import fsync_path, unique_temp_name
+from mopd.store.fsio import write_replace_with
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 PROVENANCE = [
@@ -108,25 +107,12 @@ def sample_row(
 
 def write_part(path: Path, rows: list[dict[str, Any]], schema: pa.Schema) -> None:
     """One part of a rollout, durably (temp, fsync, rename): a part that exists is whole."""
-    write_durably(path, lambda temp: pq.write_table(pa.Table.from_pylist(rows, schema=schema), temp))
+    write_replace_with(path, lambda temp: pq.write_table(pa.Table.from_pylist(rows, schema=schema), temp))
     faults.point("samples-renamed")
 
 
 def read_part(path: Path) -> pa.Table:
     return pq.read_table(path)
-
-
-def write_durably(path: Path, write: Any) -> None:
-    """Calls `write(temp)` for a temporary sibling of `path`, fsyncs it and renames it into place: a
-    file that exists under `path` is whole, and a killed writer leaves only a `.tmp-` name behind."""
-    temp = unique_temp_name(path)
-    try:
-        write(temp)
-        fsync_path(temp)
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
-    fsync_path(path.parent)
 
 
 def write_dataset(path: Path, tables: Iterable[pa.Table], schema: pa.Schema) -> int:
@@ -148,7 +134,7 @@ def write_dataset(path: Path, tables: Iterable[pa.Table], schema: pa.Schema) -> 
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
                 count += table.num_rows
 
-    write_durably(path, parquet if path.suffix == ".parquet" else jsonl)
+    write_replace_with(path, parquet if path.suffix == ".parquet" else jsonl)
     return count
 
 

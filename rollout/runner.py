@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.rollout import RolloutConfig
-from mopd.precompute.teachers import load_tokenizer
+from mopd.precompute.teachers import load_tokenizer, tokenizer_checkpoint
 from mopd.rollout.prompts import Prompt, PromptSet, read_prompts
 from mopd.rollout.rows import (
     check_output_suffix,
@@ -30,13 +30,12 @@ from mopd.rollout.rows import (
     sample_row,
     sample_seed,
     write_dataset,
-    write_durably,
     write_part,
 )
 from mopd.rollout.samplers import Completion, Sampler, load_sampler, stop_token_ids
 from mopd.store.errors import ConfigError
 from mopd.store.fingerprint import checkpoint_fingerprint, vocab_hash
-from mopd.store.teachers import assign_teacher_indices
+from mopd.store.fsio import write_replace
 
 Log = Callable[[str], None]
 SETTINGS_FILE = "rollout.json"
@@ -57,11 +56,6 @@ def _rollout_section(config: MopdConfig) -> RolloutConfig:
     if config.rollout is None:
         raise ConfigError("the config has no `rollout` section; add one (see docs/on-policy.md) to sample")
     return config.rollout
-
-
-def precompute_tokenizer(config: MopdConfig) -> str:
-    """The tokenizer `mopd precompute` tokenises with: `tokenizer`, else the first teacher's."""
-    return config.tokenizer or assign_teacher_indices(config.teachers)[0].checkpoint
 
 
 def check_student(student: str, tokenizer_path: str) -> str:
@@ -97,7 +91,7 @@ def _parts_folder(output: Path, settings: dict[str, Any], log: Log) -> Path:
         log(f"rollout: {folder} holds parts of another rollout; removing them and starting afresh")
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
-    write_durably(record, lambda temp: temp.write_text(json.dumps(settings, indent=1, sort_keys=True)))
+    write_replace(record, json.dumps(settings, indent=1, sort_keys=True).encode())
     return folder
 
 
@@ -124,6 +118,10 @@ class RolloutPlan:
             "prompts_per_part": self.rollout.prompts_per_part,
             "stop_ids": sorted(self.stop_ids),
         }
+
+    @property
+    def schema(self) -> pa.Schema:
+        return row_schema(self.prompts.format, self.prompts.route_field)
 
     @property
     def batches(self) -> list[list[Prompt]]:
@@ -173,7 +171,7 @@ def plan_rollout(
     check_output_suffix(output)
     if output.exists():
         raise ConfigError(f"rollout output {output} already exists; remove it or choose another --output")
-    tokenizer_path = precompute_tokenizer(config)
+    tokenizer_path = tokenizer_checkpoint(config.teachers, config.tokenizer)
     fingerprint = check_student(student, tokenizer_path)
     tokenizer = load_tokenizer(tokenizer_path)
     prompts = read_prompts(config, rollout, tokenizer, path=prompts_path or rollout.prompts)
@@ -203,7 +201,6 @@ def sample_parts(plan: RolloutPlan, parts: Path, *, max_model_len: int, log: Log
     """Samples every part not yet written; returns all parts in order."""
     batches = plan.batches
     names = [parts / f"part-{k:06d}.parquet" for k in range(len(batches))]
-    schema = row_schema(plan.prompts.format, plan.prompts.route_field)
     reused = sum(name.exists() for name in names)
     if reused:
         log(f"rollout: resuming; {reused} of {len(names)} parts are already written")
@@ -223,7 +220,7 @@ def sample_parts(plan: RolloutPlan, parts: Path, *, max_model_len: int, log: Log
                 )
             seeds = [sample_seed(plan.rollout.seed, plan.round_index, p.index) for p in batch]
             rows = plan.rows(batch, sampler.sample([p.ids for p in batch], seeds), seeds)
-            write_part(name, rows, schema)
+            write_part(name, rows, plan.schema)
             elapsed = time.perf_counter() - start
             log(f"rollout: part {k + 1}/{len(names)}: {len(rows)} samples ({elapsed:.0f} s)")
     finally:
@@ -269,7 +266,7 @@ def run_rollout(
             truncated += sum(table.column("truncated").to_pylist())
             yield table
 
-    rows = write_dataset(plan.output, tables(), row_schema(prompts.format, prompts.route_field))
+    rows = write_dataset(plan.output, tables(), plan.schema)
     shutil.rmtree(parts)
     log(f"rollout: wrote {rows:,} rows to {plan.output} ({truncated} cut at max_new_tokens)")
     return RolloutResult(

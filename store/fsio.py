@@ -12,6 +12,7 @@ import errno
 import hashlib
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from mopd.store import faults
@@ -83,6 +84,20 @@ def write_replace(path: Path, data: bytes) -> None:
     temp = unique_temp_name(path)
     try:
         _write_durably(temp, data)
+        with faults.io("rename", path):
+            os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+    fsync_path(path.parent)
+
+
+def write_replace_with(path: Path, write: Callable[[Path], object]) -> None:
+    """As `write_replace`, for a file too large to hold in memory: `write(temp)` streams it into a
+    temporary sibling, which is fsynced and renamed into place."""
+    temp = unique_temp_name(path)
+    try:
+        write(temp)
+        fsync_path(temp)
         with faults.io("rename", path):
             os.replace(temp, path)
     finally:
