@@ -138,28 +138,28 @@ def chat_row(agent: str, question: str, answer: str) -> dict[str, Any]:
     }
 
 
-def write_dataset(path: Path, rows_per_agent: int, seed: int = 0) -> Path:
-    """Interleaved math, code and chat rows as JSON lines."""
+def dataset_rows(rows_per_agent: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Interleaved math, code and chat rows."""
     rng = random.Random(seed)
     parts = [math_rows(rows_per_agent, rng), code_rows(rows_per_agent, rng), chat_rows(rows_per_agent, rng)]
-    rows = [row for group in zip(*parts, strict=True) for row in group]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return [row for group in zip(*parts, strict=True) for row in group]
+
+
+def write_dataset(path: Path, rows_per_agent: int, seed: int = 0) -> Path:
+    """`dataset_rows` as JSON lines."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in dataset_rows(rows_per_agent, seed)))
     return path
 
 
 def write_prompts(path: Path, count_per_agent: int, seed: int) -> Path:
     """Prompts for on-policy rounds: the user turns of fresh rows (another seed than the dataset's),
     each with an `id` and its agent."""
-    rows = json_rows(write_dataset(path, count_per_agent, seed=seed))
+    rows = dataset_rows(count_per_agent, seed=seed)
     prompts = [
         {"id": f"q{k}", "agent": r["agent"], "messages": r["messages"][:1]} for k, r in enumerate(rows)
     ]
     path.write_text("".join(json.dumps(row) + "\n" for row in prompts))
     return path
-
-
-def json_rows(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def prepare_models(workdir: Path, log: Log) -> dict[str, Path]:

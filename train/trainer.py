@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from mopd.config.mopd_config import MopdConfig
-from mopd.config.train import EvalConfig, TrainConfig
+from mopd.config.train import TrainConfig
 from mopd.store.devices import rank_device
 from mopd.store.errors import CheckpointError, ConfigError, ManifestError, MopdError
 from mopd.store.manifest import Manifest
@@ -275,7 +275,7 @@ class Trainer:
         if problem is not None:
             raise CheckpointError(problem)
 
-    def _start_from(self) -> None:
+    def start_from(self) -> None:
         """A new run that starts from `train.init_from`'s weights (and optionally optimizer state)."""
         init = self.tc.init_from
         if init is None:
@@ -424,7 +424,7 @@ class Trainer:
     def _run(self, resume: bool | None, max_steps: int | None) -> TrainResult:
         point = self._resume_point(resume)
         if point is None:
-            self._start_from()
+            self.start_from()
         first = (point.step if point else 0) + 1
         last = min(self.tc.steps, max_steps if max_steps is not None else self.tc.steps)
         result = TrainResult(
@@ -486,17 +486,3 @@ def run_training(
     return Trainer(config, store_path=store_path, output=output, log=log).run(
         resume=resume, max_steps=max_steps
     )
-
-
-def evaluate_student(config: MopdConfig, *, store_path: str | Path, log: Log = print) -> EvalRecord:
-    """The divergence per teacher, over every trained token of a store, of the student that
-    `train.init_from` names (else `train.student`): what `train.eval` measures on held-out rows."""
-    quiet = config.train.model_copy(update={"eval": EvalConfig()}) if config.train is not None else None
-    trainer = Trainer(config.model_copy(update={"train": quiet}), store_path=store_path, log=log)
-    try:
-        trainer._start_from()
-        trainer.eval_rows = np.arange(trainer.store.num_rows)
-        return trainer.evaluate(0)
-    finally:
-        trainer.student.close()
-        trainer.world.close()

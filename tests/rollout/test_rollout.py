@@ -86,9 +86,16 @@ def test_same_seed_same_bytes_other_seed_other_samples(rollouts: dict) -> None:
     assert sum(a != b for a, b in zip(first, other, strict=True)) >= len(first) // 2
 
 
-def sampled_ids(row: dict[str, Any], tokenizer: Any, prompt_ids: list[int]) -> list[int]:
-    assert row["input_ids"][: len(prompt_ids)] == prompt_ids
-    return row["input_ids"][len(prompt_ids) :]
+def ingest(path: Path, tokenizer: Any) -> Any:
+    """A dataset tokenised and routed as `mopd precompute` does (both aliases on teacher 0)."""
+    return tokenize_dataset(
+        load_records(path),
+        data=DataConfig(path=str(path), max_length=64),
+        routing=RoutingConfig(),
+        agent_to_alias={"math": "math", "code": "code"},
+        alias_index={"math": 0, "code": 0},
+        tokenizer=tokenizer,
+    )
 
 
 @pytest.mark.slow
@@ -97,14 +104,7 @@ def test_precompute_reads_the_sampled_ids(rollouts: dict, models: Models) -> Non
     exactly the completion: the prompt's last position predicts the first sampled token."""
     tokenizer = load_tokenizer(str(models.other))
     records = load_records(rollouts["first"])
-    ingested = tokenize_dataset(
-        records,
-        data=DataConfig(path=str(rollouts["first"]), max_length=64),
-        routing=RoutingConfig(),
-        agent_to_alias={"math": "math", "code": "code"},
-        alias_index={"math": 0, "code": 0},
-        tokenizer=tokenizer,
-    )
+    ingested = ingest(rollouts["first"], tokenizer)
     assert ingested.num_rows == len(records) and ingested.num_truncated == 0
     for k, row in enumerate(records):
         prompt = tokenizer.apply_chat_template(
@@ -173,23 +173,12 @@ def test_a_canonical_completion_round_trips_through_the_text_path(
     prompts = chat_prompts(4) if fmt == "messages" else text_prompts(4)
     output = roll(tmp_path, models, prompts, samples_per_prompt=2, max_new_tokens=3 + len(answer))
     rows = pq.read_table(output).to_pylist()
-
-    def ingest(path: Path) -> Any:
-        return tokenize_dataset(
-            load_records(path),
-            data=DataConfig(path=str(path), max_length=64),
-            routing=RoutingConfig(),
-            agent_to_alias={"math": "math", "code": "code"},
-            alias_index={"math": 0, "code": 0},
-            tokenizer=tokenizer,
-        )
-
-    exact = ingest(output)
+    exact = ingest(output, tokenizer)
     stopped = [r for r in rows if r["finish_reason"] == "stop"]
     text_only = tmp_path / "text.jsonl"
     keep = ("id", "agent", "messages") if fmt == "messages" else ("id", "agent", "prompt", "completion")
     text_only.write_text("".join(json.dumps({k: r[k] for k in keep}) + "\n" for r in stopped))
-    text = ingest(text_only)
+    text = ingest(text_only, tokenizer)
     stopped_rows = [k for k, r in enumerate(rows) if r["finish_reason"] == "stop"]
     assert len(stopped_rows) == 4
     for j, k in enumerate(stopped_rows):

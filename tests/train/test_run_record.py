@@ -112,7 +112,7 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights(
         ),
         log=lambda _line: None,
     )
-    trainer._start_from()
+    trainer.start_from()
     moments = [s["exp_avg"] for s in trainer.optimizer.state.values()]
     assert moments and all(m.abs().sum() > 0 for m in moments[:3])
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(5.0e-3 * 0.5)  # this run's schedule
