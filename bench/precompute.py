@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mopd.base.batching import pack_batches
 from mopd.config.mopd_config import MopdConfig, parse_config
 from mopd.precompute.backends import HiddenStateSource
 from mopd.precompute.data import TokenizedRows
@@ -39,7 +40,6 @@ from mopd.precompute.packaged_models import smollm2_checkpoint
 from mopd.precompute.progress import TokenProgress
 from mopd.precompute.runner import build_plan, run_hidden_task
 from mopd.precompute.teachers import TeacherSet, resolve_teachers
-from mopd.store.batching import pack_batches
 from mopd.store.writer import StoreWriter
 
 

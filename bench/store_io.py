@@ -29,10 +29,10 @@ import torch
 import zarr
 from zarr.codecs import BloscCodec
 
+from mopd.base.fsio import fsync_tree
 from mopd.precompute.runner import CHUNK_BYTES
 from mopd.store import open_store
 from mopd.store.arrays import storage_dtype
-from mopd.store.fsio import fsync_tree
 from mopd.store.layout import plan_tasks, shard_rows
 from mopd.store.manifest import DatasetInfo, Plan, ShardTask, StorageInfo, TeacherInfo, TokenizerInfo
 from mopd.store.tasks import HiddenShardWriter, write_lm_head, write_rows

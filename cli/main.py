@@ -11,13 +11,13 @@ from typing import Any
 
 import click
 
+from mopd.base.errors import MopdError
+from mopd.base.version import __version__
 from mopd.cli.precompute_command import precompute_command
 from mopd.cli.quickstart import quickstart_command
 from mopd.cli.rollout_commands import rollout_command, rounds_command
 from mopd.cli.store_commands import inspect_command, verify_manifest_command
 from mopd.cli.train_command import export_hf_command, train_command
-from mopd.store.errors import MopdError
-from mopd.store.version import __version__
 
 
 class _Group(click.Group):

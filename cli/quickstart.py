@@ -17,6 +17,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from mopd.base.errors import MopdError
 from mopd.cli.console import plain_log, stderr_console
 from mopd.cli.quickstart_assets import (
     BIG_TEACHER,
@@ -28,7 +29,6 @@ from mopd.cli.quickstart_assets import (
 )
 from mopd.cli.store_commands import format_size
 from mopd.config.mopd_config import load_config
-from mopd.store.errors import MopdError
 from mopd.store.summary import summarise_store
 from mopd.store.verify import verify_store
 

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mopd.base.fsio import publish_dir, unique_temp_name
 from mopd.precompute.packaged_models import smollm2_checkpoint
-from mopd.store.fsio import publish_dir, unique_temp_name
 
 Log = Callable[[str], None]
 BIG_TEACHER, SMALL_TEACHER, STUDENT = "smollm2-135m", "smollm2-135m-first16", "smollm2-135m-first4"

@@ -1,3 +1,3 @@
 """mopd.config: the one YAML config shared by `mopd precompute`, `mopd train` and `verify-manifest`
-(DESIGN §9): its top-level model, its loading, and the sections of precompute, training and model
-parallelism. The store's own section is `mopd.store.config`'s; the store needs nothing of this package."""
+(DESIGN §9): its top-level model, its loading, and its sections (store, precompute, training, model
+parallelism, rollout). The store needs nothing of this package: it is handed the values it checks."""

@@ -13,12 +13,13 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from mopd.base.errors import ConfigError
+from mopd.base.jsonio import check_unicode, decode_text, describe_location
+from mopd.base.section import Section
 from mopd.config.precompute import DataConfig, PrecomputeConfig, RoutingConfig
 from mopd.config.rollout import RolloutConfig, RoundsConfig
+from mopd.config.store import StoreConfig
 from mopd.config.train import TrainConfig
-from mopd.store.config import Section, StoreConfig
-from mopd.store.errors import ConfigError
-from mopd.store.jsonio import check_unicode, decode_text, describe_location
 
 
 class MopdConfig(Section):

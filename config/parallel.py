@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from mopd.store.config import Section
+from mopd.base.section import Section
 
 
 class ParallelConfig(Section):

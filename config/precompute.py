@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field
 
+from mopd.base.section import Section
 from mopd.config.parallel import ParallelConfig
-from mopd.store.config import Section
 
 
 class RoutingConfig(Section):

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from mopd.store.config import Section
+from mopd.base.section import Section
 
 
 class RolloutConfig(Section):

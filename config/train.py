@@ -6,8 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
+from mopd.base.section import Section
 from mopd.config.parallel import ParallelConfig
-from mopd.store.config import Section
 
 
 class DivergenceConfig(Section):

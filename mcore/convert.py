@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from mopd.store.errors import ConfigError
+from mopd.base.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 VOCAB_DIVISIBLE_BY = 128

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mopd.base.errors import ConfigError
 from mopd.mcore.convert import GPTShape, hf_to_megatron
 from mopd.mcore.cpu_compat import megatron_device
 from mopd.mcore.parallel import ModelParallelGroup
-from mopd.store.errors import ConfigError
 
 
 def transformer_config(

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mopd.base.errors import ConfigError
 from mopd.config.parallel import ParallelConfig
-from mopd.store.errors import ConfigError
 
 
 @dataclass(frozen=True)

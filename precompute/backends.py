@@ -14,8 +14,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from mopd.base.errors import ConfigError
 from mopd.config.precompute import PrecomputeConfig
-from mopd.store.errors import ConfigError
 from mopd.store.transform import LogitTransform
 
 

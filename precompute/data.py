@@ -27,8 +27,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from mopd.base.errors import ConfigError
 from mopd.config.precompute import DataConfig, RoutingConfig
-from mopd.store.errors import ConfigError
 
 FORMATS = ("input_ids", "messages", "prompt+completion", "text")
 _ROWS_PER_PROCESS = 10_000  # fewer rows per process than this tokenise faster in one (process start-up)

@@ -27,12 +27,12 @@ from typing import Any
 
 import pyarrow as pa
 
+from mopd.base.errors import ConfigError
+from mopd.base.fsio import fsync_path, is_temporary, sha256_file
+from mopd.base.jsonio import parse_json
 from mopd.config.precompute import DataConfig, RoutingConfig
 from mopd.precompute.data import TokenizedRows, load_records, tokenize_dataset
-from mopd.store.errors import ConfigError
 from mopd.store.fingerprint import TOKENIZER_FILES
-from mopd.store.fsio import fsync_path, is_temporary, sha256_file
-from mopd.store.jsonio import parse_json
 from mopd.store.manifest import canonical_json
 
 INGEST_DIR = "ingest"

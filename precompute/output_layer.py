@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mopd.store.devices import resolve_device
-from mopd.store.errors import ConfigError
+from mopd.base.devices import resolve_device
+from mopd.base.errors import ConfigError
 from mopd.store.transform import LogitTransform
 
 

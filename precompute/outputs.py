@@ -12,12 +12,12 @@ from datetime import UTC, datetime
 import numpy as np
 import torch
 
+from mopd.base.errors import StoreIntegrityError
+from mopd.base.version import __version__
 from mopd.precompute.backends import HiddenStateSource, TeacherModel
 from mopd.precompute.data import TokenizedRows
-from mopd.store.errors import StoreIntegrityError
 from mopd.store.manifest import HeadTask, Manifest, RowsTask, ShardTask
 from mopd.store.tasks import HiddenShardWriter, write_lm_head, write_rows
-from mopd.store.version import __version__
 from mopd.store.writer import StoreWriter
 
 _STORAGE_TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}

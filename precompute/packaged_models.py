@@ -12,8 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
-from mopd.store.errors import ConfigError
-from mopd.store.fsio import publish_dir, unique_temp_name
+from mopd.base.errors import ConfigError
+from mopd.base.fsio import publish_dir, unique_temp_name
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
+from mopd.base.batching import pack_batches, select_tasks
+from mopd.base.devices import rank_device, resolve_device
+from mopd.base.errors import ConfigError
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.parallel import ParallelConfig
 from mopd.config.precompute import PrecomputeConfig
@@ -26,9 +29,6 @@ from mopd.precompute.output_layer import resolve_dtype
 from mopd.precompute.outputs import NoOutput, Output, StoreOutput
 from mopd.precompute.progress import TokenProgress
 from mopd.precompute.teachers import TeacherSet, load_tokenizer, resolve_teachers
-from mopd.store.batching import pack_batches, select_tasks
-from mopd.store.devices import rank_device, resolve_device
-from mopd.store.errors import ConfigError
 from mopd.store.layout import plan_tasks, shard_rows
 from mopd.store.manifest import (
     DatasetInfo,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mopd.store.errors import ConfigError
+from mopd.base.errors import ConfigError
 from mopd.store.fingerprint import checkpoint_fingerprint, tokenizer_vocab, vocab_hash
 from mopd.store.teachers import TeacherSlot, alias_to_index, assign_teacher_indices
 

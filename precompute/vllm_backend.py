@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from mopd.base.devices import resolve_device
+from mopd.base.errors import ConfigError, StoreIntegrityError
 from mopd.precompute.output_layer import output_layer_only, resolve_dtype
-from mopd.store.devices import resolve_device
-from mopd.store.errors import ConfigError, StoreIntegrityError
 
 INSTALL_HINT = (
     "install the extra for this machine: `pip install 'mopd[vllm]'` with a CUDA GPU, or on a CPU-only "

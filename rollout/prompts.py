@@ -12,10 +12,10 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from mopd.base.errors import ConfigError
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.rollout import RolloutConfig
 from mopd.precompute.data import load_records, render_chat
-from mopd.store.errors import ConfigError
 
 PromptFormat = Literal["prompt", "messages"]
 

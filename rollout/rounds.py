@@ -24,6 +24,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mopd.base.errors import ConfigError, ManifestError
+from mopd.base.fsio import write_replace, write_replace_with
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.rollout import RoundsConfig
 from mopd.config.train import InitFromConfig, TrainConfig
@@ -31,8 +33,6 @@ from mopd.precompute.data import load_records, tokenize_dataset
 from mopd.precompute.runner import run_precompute
 from mopd.precompute.teachers import load_tokenizer, tokenizer_checkpoint
 from mopd.rollout.runner import run_rollout
-from mopd.store.errors import ConfigError, ManifestError
-from mopd.store.fsio import write_replace, write_replace_with
 from mopd.store.manifest import MANIFEST_FILE, read_manifest
 from mopd.store.teachers import alias_to_index, assign_teacher_indices
 from mopd.store.verify import verify_store

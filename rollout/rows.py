@@ -24,12 +24,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mopd.base import faults
+from mopd.base.errors import ConfigError
+from mopd.base.fsio import write_replace_with
 from mopd.precompute.data import next_token_mask
 from mopd.rollout.prompts import Prompt, PromptFormat
 from mopd.rollout.samplers import Completion
-from mopd.store import faults
-from mopd.store.errors import ConfigError
-from mopd.store.fsio import write_replace_with
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 PROVENANCE = [

@@ -19,6 +19,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from mopd.base.errors import ConfigError
+from mopd.base.fsio import write_replace
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.rollout import RolloutConfig
 from mopd.precompute.teachers import load_tokenizer, tokenizer_checkpoint
@@ -33,9 +35,7 @@ from mopd.rollout.rows import (
     write_part,
 )
 from mopd.rollout.samplers import Completion, Sampler, load_sampler, stop_token_ids
-from mopd.store.errors import ConfigError
 from mopd.store.fingerprint import checkpoint_fingerprint, vocab_hash
-from mopd.store.fsio import write_replace
 
 Log = Callable[[str], None]
 SETTINGS_FILE = "rollout.json"

@@ -14,10 +14,10 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from mopd.base.devices import resolve_device
+from mopd.base.errors import ConfigError
 from mopd.config.rollout import RolloutConfig
 from mopd.precompute.output_layer import resolve_dtype
-from mopd.store.devices import resolve_device
-from mopd.store.errors import ConfigError
 
 Finish = Literal["stop", "length"]
 

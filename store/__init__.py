@@ -2,7 +2,7 @@
 
 from typing import TYPE_CHECKING, Any
 
-from mopd.store.errors import (
+from mopd.base.errors import (
     ConfigError,
     FilesystemError,
     ManifestError,
@@ -10,8 +10,8 @@ from mopd.store.errors import (
     StoreIncompleteError,
     StoreIntegrityError,
 )
+from mopd.base.version import __version__
 from mopd.store.manifest import FORMAT, FORMAT_VERSION, Manifest
-from mopd.store.version import __version__
 
 if TYPE_CHECKING:
     from mopd.store.reader import Row, TeacherStore, open_store

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import google_crc32c
 import numpy as np
 
-from mopd.store import faults
+from mopd.base import faults
 from mopd.store.chunks import chunk_file
 
 if TYPE_CHECKING:

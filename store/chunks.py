@@ -29,8 +29,8 @@ import google_crc32c
 import numpy as np
 from numcodecs import blosc
 
-from mopd.store.errors import StoreIntegrityError
-from mopd.store.jsonio import MAX_RECORD_BYTES, parse_json
+from mopd.base.errors import StoreIntegrityError
+from mopd.base.jsonio import MAX_RECORD_BYTES, parse_json
 
 # crc32c(data + its crc32c as 4 little-endian bytes) is this constant for any data: a chunk is
 # checked in one pass over its bytes, trailer included, with no copy.

@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from mopd.base.errors import StoreIntegrityError
+from mopd.base.fsio import create_exclusive, safe_join
 from mopd.store.chunks import ArrayReader
-from mopd.store.errors import StoreIntegrityError
-from mopd.store.fsio import create_exclusive, safe_join
 from mopd.store.layout import ROW_IDS, TEACHER_INDEX
 from mopd.store.manifest import (
     FORMAT,

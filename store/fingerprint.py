@@ -25,7 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from mopd.store.errors import ConfigError
+from mopd.base.errors import ConfigError
 from mopd.store.transform import LogitTransform
 
 # Keys that describe how a config was saved, not what the model computes.

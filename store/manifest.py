@@ -25,8 +25,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
 
-from mopd.store.errors import ManifestError, StoreIncompleteError
-from mopd.store.jsonio import MAX_RECORD_BYTES, describe_location, parse_json
+from mopd.base.errors import ManifestError, StoreIncompleteError
+from mopd.base.jsonio import MAX_RECORD_BYTES, describe_location, parse_json
 
 FORMAT = "mopd-teacher-store"
 FORMAT_VERSION = 3

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mopd.base.errors import ManifestError, StoreIntegrityError
+from mopd.base.fsio import safe_join
 from mopd.store.chunks import ArrayReader
-from mopd.store.errors import ManifestError, StoreIntegrityError
-from mopd.store.fsio import safe_join
 from mopd.store.layout import HIDDEN, INPUT_IDS, LOSS_MASK, OFFSETS, ROW_IDS, TEACHER_INDEX
 from mopd.store.manifest import (
     PARTS_DIR,

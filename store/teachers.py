@@ -17,9 +17,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from mopd.store.errors import ManifestError
-from mopd.store.fsio import write_replace
-from mopd.store.jsonio import describe_location, read_json
+from mopd.base.errors import ManifestError
+from mopd.base.fsio import write_replace
+from mopd.base.jsonio import describe_location, read_json
 
 TEACHER_LIST_FILE = "teachers.json"
 

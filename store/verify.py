@@ -15,12 +15,12 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
+from mopd.base.completion import check_complete
+from mopd.base.errors import ConfigError, MopdError
+from mopd.base.fsio import SafePaths, is_temporary, sha256_file
 from mopd.store.arrays import storage_dtype
 from mopd.store.chunks import array_header
-from mopd.store.completion import check_complete
-from mopd.store.errors import ConfigError, MopdError
 from mopd.store.fingerprint import fingerprint_for_format
-from mopd.store.fsio import SafePaths, is_temporary, sha256_file
 from mopd.store.layout import artifact_arrays
 from mopd.store.manifest import (
     PARTS_DIR,

@@ -16,11 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from mopd.store import faults
-from mopd.store.arrays import ArrayAppender, create_array, write_array, write_strings
-from mopd.store.errors import ManifestError, StoreIntegrityError
-from mopd.store.finalize import build_manifest, publish_manifest
-from mopd.store.fsio import (
+from mopd.base import faults
+from mopd.base.errors import ManifestError, StoreIntegrityError
+from mopd.base.fsio import (
     create_exclusive,
     file_digests,
     probe_filesystem,
@@ -30,6 +28,8 @@ from mopd.store.fsio import (
     unique_temp_name,
     write_replace,
 )
+from mopd.store.arrays import ArrayAppender, create_array, write_array, write_strings
+from mopd.store.finalize import build_manifest, publish_manifest
 from mopd.store.layout import ArraySpec
 from mopd.store.manifest import (
     MANIFEST_FILE,

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from mopd.store.fsio import file_digests, is_temporary
+from mopd.base.fsio import file_digests, is_temporary
 from mopd.store.manifest import MANIFEST_FILE
 from mopd.train.metrics import METRICS_FILE, read_metrics
 
@@ -170,7 +170,7 @@ def _inject(fault: str) -> Any:
     """A context in which this process's MOPD_FAULT is `fault` (counted from zero)."""
     from contextlib import contextmanager
 
-    from mopd.store import faults
+    from mopd.base import faults
 
     @contextmanager
     def scope() -> Any:
@@ -248,7 +248,7 @@ def io_error_in_checkpoint(
     """A run trained to step `first` resumes with the k-th `op` of its checkpoint saves failing: one
     line naming the operation and path, exit 1, the step-`first` checkpoint intact, nothing partial
     published; resumed again without the fault it ends as the uninterrupted run."""
-    from mopd.store.completion import check_complete
+    from mopd.base.completion import check_complete
     from mopd.train.checkpoint import complete_checkpoints
 
     trial = f"checkpoint {code}@{op}:{k}"

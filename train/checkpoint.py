@@ -36,11 +36,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from safetensors.torch import load_file, save_file
 
-from mopd.store import faults
-from mopd.store.completion import COMPLETE, check_complete, write_complete
-from mopd.store.errors import CheckpointError, ConfigError, MopdError
-from mopd.store.fsio import is_temporary, publish_dir, unique_temp_name, write_replace
-from mopd.store.jsonio import describe_location, read_json
+from mopd.base import faults
+from mopd.base.completion import COMPLETE, check_complete, write_complete
+from mopd.base.errors import CheckpointError, ConfigError, MopdError
+from mopd.base.fsio import is_temporary, publish_dir, unique_temp_name, write_replace
+from mopd.base.jsonio import describe_location, read_json
 from mopd.store.teachers import TeacherIdentity, write_teacher_list
 from mopd.train.data_order import LoaderState
 from mopd.train.distributed import RankGroup

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mopd.store.batching import pack_batches
+from mopd.base.batching import pack_batches
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from mopd.store.errors import ConfigError, MopdError
-from mopd.store.fsio import publish_dir, unique_temp_name
+from mopd.base.errors import ConfigError, MopdError
+from mopd.base.fsio import publish_dir, unique_temp_name
 from mopd.train.checkpoint import COMPLETE, complete_checkpoints, read_state
 from mopd.train.student import copy_tokenizer
 

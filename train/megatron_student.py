@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from mopd.base.errors import ConfigError
 from mopd.mcore.cpu_compat import megatron_device
 from mopd.mcore.model import load_stage, load_state, stage_forward
 from mopd.mcore.parallel import ModelParallelGroup
-from mopd.store.errors import ConfigError
 from mopd.store.manifest import Manifest
 from mopd.train.distributed import RankGroup, sum_gradients
 from mopd.train.student import LossFn, check_tokenizer, copy_tokenizer

@@ -12,8 +12,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from mopd.base.errors import ConfigError
 from mopd.config.train import DivergenceConfig
-from mopd.store.errors import ConfigError
 from mopd.store.manifest import Manifest
 from mopd.train.chunk_chain import chunk_size_for, compile_chain
 from mopd.train.distributed import RankGroup

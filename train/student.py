@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mopd.store.errors import ConfigError
+from mopd.base.errors import ConfigError
 from mopd.store.fingerprint import vocab_hash
 from mopd.store.manifest import Manifest
 from mopd.store.transform import LogitTransform

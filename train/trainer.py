@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mopd.base.devices import rank_device
+from mopd.base.errors import CheckpointError, ConfigError, ManifestError, MopdError
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.train import TrainConfig
-from mopd.store.devices import rank_device
-from mopd.store.errors import CheckpointError, ConfigError, ManifestError, MopdError
 from mopd.store.manifest import Manifest
 from mopd.store.reader import TeacherStore, open_store
 from mopd.store.teachers import TeacherIdentity, diff_teacher_lists, read_teacher_list

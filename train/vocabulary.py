@@ -10,7 +10,7 @@ past V, of either side, is masked out of both softmaxes. Only a side with fewer 
 
 from __future__ import annotations
 
-from mopd.store.errors import ConfigError
+from mopd.base.errors import ConfigError
 from mopd.store.manifest import Manifest
 
 

@@ -14,8 +14,8 @@ import yaml
 from click.testing import CliRunner, Result
 from safetensors.torch import load_file, save_file
 
+from mopd.base.completion import write_complete
 from mopd.cli.main import cli
-from mopd.store.completion import write_complete
 from mopd.store.manifest import MANIFEST_FILE, PARTS_DIR
 from mopd.store.teachers import TeacherIdentity, write_teacher_list
 from tests.store.synthetic import StoreSpec, make_checkpoint
@@ -207,7 +207,7 @@ def test_reports_every_problem(small_store: StoreSpec, tmp_path: Path, as_json: 
 
 
 def test_part_record_paths_cannot_escape_the_store(small_store: StoreSpec) -> None:
-    from mopd.store.fsio import sha256_file
+    from mopd.base.fsio import sha256_file
 
     root = Path(small_store.root)
     part_path = root / PARTS_DIR / "teacher_001_shard_000000.json"

@@ -187,9 +187,9 @@ def _check_exported(
     """TP2×PP2: the checkpoint's logits; then the trainer's refusals, each as the error it raised."""
     from megatron.core import parallel_state
 
+    from mopd.base.errors import MopdError
     from mopd.config.parallel import ParallelConfig
     from mopd.mcore.parallel import ModelParallelGroup
-    from mopd.store.errors import MopdError
     from mopd.train.megatron_student import MegatronStudent
     from mopd.train.trainer import Trainer
 

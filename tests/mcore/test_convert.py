@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from mopd.base.errors import ConfigError
 from mopd.mcore.convert import GPTShape, hf_to_megatron, megatron_to_hf
-from mopd.store.errors import ConfigError
 from tests.distributed.harness import run_distributed
 from tests.precompute.teachers import make_tokenizer, model_config, save_teacher
 from tests.tolerance import assert_close, network_rtol, perturbed

@@ -10,11 +10,11 @@ import datasets
 import numpy as np
 import pytest
 
+from mopd.base.errors import ConfigError
 from mopd.config.precompute import DataConfig, RoutingConfig
 from mopd.precompute import data
 from mopd.precompute.data import TokenizedRows, load_records, route, tokenize_dataset
 from mopd.precompute.ingest import ingest
-from mopd.store.errors import ConfigError
 from tests.precompute.teachers import make_tokenizer, write_jsonl
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mopd.store.fsio import file_digests, is_temporary
+from mopd.base.fsio import file_digests, is_temporary
 from mopd.store.manifest import MANIFEST_FILE, PARTS_DIR
 from tests.precompute.conftest import four_aliases, write_config
 from tests.precompute.teachers import mixed_records, write_jsonl

@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
+from mopd.base.batching import pack_batches, select_tasks
 from mopd.cli.main import cli
 from mopd.config.mopd_config import load_config
 from mopd.precompute import runner
-from mopd.store.batching import pack_batches, select_tasks
 from tests.precompute.conftest import write_config
 from tests.precompute.teachers import make_tokenizer, mixed_records, save_teacher, write_jsonl
 

@@ -15,9 +15,9 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
+from mopd.base.errors import ConfigError
 from mopd.config.mopd_config import load_config
 from mopd.rollout.rounds import Rounds, run_rounds
-from mopd.store.errors import ConfigError
 from mopd.train.checkpoint import complete_checkpoints
 from tests.precompute.teachers import agent_records, write_jsonl
 from tests.rollout.conftest import Models, chat_prompts, rollout_config

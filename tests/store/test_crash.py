@@ -78,7 +78,7 @@ def test_crash_between_publish_and_part_record_is_adopted(small_spec: StoreSpec)
 
 
 def test_published_folder_with_other_content_is_refused(small_spec: StoreSpec) -> None:
-    from mopd.store.errors import StoreIntegrityError
+    from mopd.base.errors import StoreIntegrityError
 
     build_store(small_spec)
     root = Path(small_spec.root)
@@ -105,7 +105,7 @@ def test_two_jobs_split_tasks_and_either_may_finalize(small_spec: StoreSpec) -> 
 
 
 def test_store_of_another_run_is_refused(small_store: StoreSpec) -> None:
-    from mopd.store.errors import ManifestError
+    from mopd.base.errors import ManifestError
 
     other = dataclasses.replace(small_store, lengths=[n + 1 for n in small_store.lengths])
     with pytest.raises(ManifestError, match=r"already holds a store of a different run.*dataset"):

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mopd.base.completion import COMPLETE, read_complete
+from mopd.base.errors import CheckpointError, ConfigError, ManifestError
+from mopd.base.jsonio import MAX_DEPTH
 from mopd.config.mopd_config import parse_config, parse_yaml
-from mopd.store.completion import COMPLETE, read_complete
-from mopd.store.errors import CheckpointError, ConfigError, ManifestError
-from mopd.store.jsonio import MAX_DEPTH
 from mopd.store.manifest import parse_manifest, parse_part, parse_plan
 from mopd.store.teachers import TEACHER_LIST_FILE, read_teacher_list
 from mopd.train.checkpoint import read_state

@@ -11,8 +11,8 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
+from mopd.base.errors import ConfigError
 from mopd.cli.main import cli
-from mopd.store.errors import ConfigError
 from mopd.store.teachers import TEACHER_LIST_FILE
 from mopd.train.checkpoint import COMPLETE, complete_checkpoints
 from mopd.train.trainer import run_training

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from mopd.base.errors import CheckpointError
 from mopd.cli.main import cli
 from mopd.store import open_store
-from mopd.store.errors import CheckpointError
 from mopd.train.checkpoint import complete_checkpoints
 from mopd.train.run_record import RESUMABLE, diff_run_records, run_record
 from mopd.train.trainer import Trainer, run_training

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from mopd.store.completion import COMPLETE, write_complete
-from mopd.store.errors import ConfigError, ManifestError
+from mopd.base.completion import COMPLETE, write_complete
+from mopd.base.errors import ConfigError, ManifestError
 from mopd.store.reader import TeacherStore, open_store
 from mopd.store.teachers import TEACHER_LIST_FILE
 from mopd.train.checkpoint import complete_checkpoints

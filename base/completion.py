@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mopd.store.errors import CheckpointError
-from mopd.store.fsio import is_temporary, sha256_file, write_replace
-from mopd.store.jsonio import read_json
+from mopd.base.errors import CheckpointError
+from mopd.base.fsio import is_temporary, sha256_file, write_replace
+from mopd.base.jsonio import read_json
 
 COMPLETE = "COMPLETE"
 _THREADS = min(8, os.cpu_count() or 1)

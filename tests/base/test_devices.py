@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mopd.store.devices import rank_device
+from mopd.base.devices import rank_device
 
 
 def test_each_process_gets_its_local_gpu_and_an_index(monkeypatch: pytest.MonkeyPatch) -> None:

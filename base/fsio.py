@@ -15,8 +15,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from mopd.store import faults
-from mopd.store.errors import FilesystemError, ManifestError
+from mopd.base import faults
+from mopd.base.errors import FilesystemError, ManifestError
 
 _HASH_BLOCK = 1 << 22
 

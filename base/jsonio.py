@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mopd.store.errors import MopdError
+from mopd.base.errors import MopdError
 
 MAX_RECORD_BYTES = 64 << 20  # a manifest of 1M shards is ~400 MB; 64 MiB covers ~150k shards
 MAX_DEPTH = 32  # the deepest record mopd writes nests 6 levels

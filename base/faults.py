@@ -1,6 +1,6 @@
 """Faults on demand for the commit path, so that tests show what a crash or a full disk leaves behind.
 
-Off unless the environment variable MOPD_FAULT is set; read only by the commit code (store/fsio.py,
+Off unless the environment variable MOPD_FAULT is set; read only by the commit code (base/fsio.py,
 store/arrays.py, store/writer.py, train/checkpoint.py):
 
     MOPD_FAULT=kill@shard-renamed       SIGKILL this process when it first reaches the named point

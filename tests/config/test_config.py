@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from mopd.base.errors import ConfigError
 from mopd.config.mopd_config import load_config
-from mopd.store.errors import ConfigError
 
 BASE = """\
 teachers:

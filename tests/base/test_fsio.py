@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from mopd.store.errors import FilesystemError, ManifestError
-from mopd.store.fsio import SafePaths, create_exclusive, probe_filesystem, publish_dir, safe_join
+from mopd.base.errors import FilesystemError, ManifestError
+from mopd.base.fsio import SafePaths, create_exclusive, probe_filesystem, publish_dir, safe_join
 
 
 def test_create_exclusive_never_overwrites(tmp_path: Path) -> None:
