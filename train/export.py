@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from mopd.base.errors import ConfigError, MopdError
 from mopd.base.fsio import publish_dir, unique_temp_name
 from mopd.train.checkpoint import COMPLETE, complete_checkpoints, read_state
-from mopd.train.student import copy_tokenizer
+from mopd.train.student import load_student_tokenizer, save_tokenizer
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -60,7 +60,7 @@ def _join_megatron_shards(model_dir: Path, tp: int, pp: int, folder: Path) -> No
     if shape.tied:
         model.tie_weights()
     model.save_pretrained(folder)
-    copy_tokenizer(model_dir, folder)
+    save_tokenizer(load_student_tokenizer(model_dir), folder)
 
 
 def export_hf(checkpoint: Path, output: Path) -> Path:

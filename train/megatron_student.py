@@ -23,7 +23,7 @@ from mopd.mcore.model import load_stage, load_state, stage_forward
 from mopd.mcore.parallel import ModelParallelGroup
 from mopd.store.manifest import Manifest
 from mopd.train.distributed import RankGroup, sum_gradients
-from mopd.train.student import LossFn, check_tokenizer, copy_tokenizer
+from mopd.train.student import LossFn, check_tokenizer, load_student_tokenizer, save_tokenizer
 
 
 def shard_name(tp_rank: int, pp_rank: int) -> str:
@@ -50,6 +50,7 @@ class MegatronStudent:
         self.reports = group.is_last_stage and group.tp_rank == 0
         self.shard = shard_name(group.tp_rank, group.pp_rank)
         self.writes_checkpoint_shard = group.dp_rank == 0  # the replicas are identical: one writes
+        self.tokenizer = load_student_tokenizer(self.checkpoint)
 
     @property
     def layout(self) -> dict[str, Any]:
@@ -112,7 +113,7 @@ class MegatronStudent:
         save_file(state, str(folder / f"{self.shard}.safetensors"))
         if self.group.tp_rank == 0 and self.group.pp_rank == 0:
             (folder / "config.json").write_bytes((self.checkpoint / "config.json").read_bytes())
-            copy_tokenizer(self.checkpoint, folder)
+            save_tokenizer(self.tokenizer, folder)
 
     def load_weights(self, folder: Path) -> None:
         """Loads the weights `save` wrote for this rank's shard (bit-exact)."""

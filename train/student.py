@@ -56,7 +56,8 @@ class TrainStudent(Protocol):
     def close(self) -> None: ...
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json")
+# Any of these means the checkpoint carries a tokenizer (a bare weights folder has none of them).
+TOKENIZER_MARKERS = ("tokenizer_config.json", "tokenizer.json", "vocab.json")
 
 
 @contextmanager
@@ -82,11 +83,24 @@ def check_tokenizer(checkpoint: Path, manifest: Manifest) -> None:
         )
 
 
-def copy_tokenizer(source: Path, folder: Path) -> None:
-    """The student's tokenizer files, next to its weights (an exported checkpoint is self-contained)."""
-    for name in TOKENIZER_FILES:
-        if (source / name).exists():
-            (folder / name).write_bytes((source / name).read_bytes())
+def load_student_tokenizer(checkpoint: Path) -> Any:
+    """The tokenizer a student checkpoint carries (None when it carries none), to be saved beside every
+    checkpoint of it with `save_tokenizer`."""
+    if not any((checkpoint / name).exists() for name in TOKENIZER_MARKERS):
+        return None
+    from transformers import AutoTokenizer
+
+    with _quiet():
+        return AutoTokenizer.from_pretrained(checkpoint)
+
+
+def save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """`tokenizer` next to a checkpoint's weights, saved by transformers itself so that every file it
+    needs comes along (vocabulary, settings, special tokens, the chat template in whatever file this
+    transformers keeps it): an exported student is prompted exactly as the original one."""
+    if tokenizer is not None:
+        with _quiet():
+            tokenizer.save_pretrained(folder)
 
 
 class HFStudent:
@@ -133,6 +147,7 @@ class HFStudent:
         if output is None or getattr(output, "bias", None) is not None:
             raise ConfigError(f"train.student: {self.checkpoint} has no bias-free linear output layer")
         self.backbone = self.model.base_model
+        self.tokenizer = load_student_tokenizer(self.checkpoint)
 
     @property
     def head(self) -> torch.nn.Parameter:
@@ -198,7 +213,7 @@ class HFStudent:
         """A complete transformers checkpoint (config, safetensors weights, tokenizer files)."""
         with _quiet():
             self.model.save_pretrained(folder)
-        copy_tokenizer(self.checkpoint, folder)
+        save_tokenizer(self.tokenizer, folder)
 
     def close(self) -> None:
         """Nothing to release (the trainer owns the data-parallel group)."""

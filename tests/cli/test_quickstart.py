@@ -9,9 +9,10 @@ import pytest
 from click.testing import CliRunner
 
 from mopd.cli.main import cli
-from mopd.cli.quickstart_assets import write_dataset
+from mopd.cli.quickstart_assets import STUDENT, write_dataset
 from mopd.store.reader import open_store
 from mopd.train.metrics import read_metrics
+from tests.precompute.teachers import assert_same_chat_tokens
 
 
 @pytest.mark.slow
@@ -28,6 +29,11 @@ def test_small_quickstart_runs_every_stage(tmp_path: Path) -> None:
     records = read_metrics(tmp_path / "quickstart-small-run" / "metrics.jsonl")
     assert [r["step"] for r in records if r.get("split") == "eval"] == [0, 2, 4]
     assert (tmp_path / "quickstart-small-run" / "metrics.png").stat().st_size > 10_000
+    exported = CliRunner().invoke(
+        cli, ["export-hf", str(tmp_path / "quickstart-small-run"), str(tmp_path / "exported")]
+    )
+    assert exported.exit_code == 0, exported.output
+    assert_same_chat_tokens(tmp_path / "exported", tmp_path / "models" / STUDENT)  # chat template kept
     again = CliRunner().invoke(cli, ["quickstart", "--small", "--workdir", str(tmp_path)])
     assert again.exit_code == 0, again.output  # reuses models, data and store; trains afresh
 

@@ -21,7 +21,7 @@ from mopd.config.mopd_config import load_config
 from mopd.train.metrics import METRICS_FILE, read_metrics
 from mopd.train.trainer import TrainResult, run_training
 from tests.distributed.harness import run_distributed, run_torchrun
-from tests.precompute.teachers import make_tokenizer, save_teacher
+from tests.precompute.teachers import assert_same_chat_tokens, make_tokenizer, save_teacher
 from tests.tolerance import (
     assert_close,
     assert_same_training,
@@ -231,6 +231,7 @@ def test_export_and_refusals(setup: Setup, launch: Callable[[int, int], Launched
     run at another layout or against a store of other teachers is refused, naming what differs."""
     run = launch(2, 2)
     exported = AutoModelForCausalLM.from_pretrained(setup.root / "tp2pp2-hf", dtype=torch.float32)
+    assert_same_chat_tokens(setup.root / "tp2pp2-hf", setup.student)  # the chat template came along
     tokens = torch.randint(0, exported.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = exported(input_ids=tokens).logits.reshape(-1, exported.config.vocab_size)

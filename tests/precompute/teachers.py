@@ -137,3 +137,20 @@ def agent_records(num_rows: int) -> list[dict[str, Any]]:
             }
         )
     return records
+
+
+def assert_same_chat_tokens(exported: Path, original: Path) -> None:
+    """The tokenizer saved in `exported` renders a chat to the same ids as `original`'s: nothing of it,
+    the chat template included, was lost on the way."""
+    from transformers import AutoTokenizer
+
+    chat = [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "What is 12 + 30?"},
+        {"role": "assistant", "content": "42."},
+        {"role": "user", "content": "And 7 * 6?"},
+    ]
+    want = AutoTokenizer.from_pretrained(original).apply_chat_template(chat, add_generation_prompt=True)
+    got = AutoTokenizer.from_pretrained(exported).apply_chat_template(chat, add_generation_prompt=True)
+    assert len(want["input_ids"]) > 10
+    assert got["input_ids"] == want["input_ids"]

@@ -16,6 +16,7 @@ from mopd.cli.main import cli
 from mopd.store.teachers import TEACHER_LIST_FILE
 from mopd.train.checkpoint import COMPLETE, complete_checkpoints
 from mopd.train.trainer import run_training
+from tests.precompute.teachers import assert_same_chat_tokens
 from tests.train.world import World, world_config
 
 
@@ -101,7 +102,7 @@ def test_export_hf_writes_the_trained_student(world: World, tmp_path: Path) -> N
         model = AutoModelForCausalLM.from_pretrained(tmp_path / folder, dtype=torch.float32)
         with torch.no_grad():
             assert torch.equal(model(input_ids=tokens).logits, want)
-        assert (tmp_path / folder / "tokenizer.json").exists()
+        assert_same_chat_tokens(tmp_path / folder, world.student)
     original = AutoModelForCausalLM.from_pretrained(world.student, dtype=torch.float32)
     with torch.no_grad():
         assert not torch.equal(original(input_ids=tokens).logits, want)  # training changed the student
