@@ -265,6 +265,7 @@ def load_checkpoint(
     check_layout(folder, state, student, doing="resume from")
     load_weights(folder, student, optimizer, hyper_parameters=True)
     scheduler.load_state_dict({**state["scheduler"], "lr_lambdas": [None] * len(optimizer.param_groups)})
+    follow_schedule(scheduler, int(state["step"]))
     rng = load_file(str(folder / "rng.safetensors"))
     torch.set_rng_state(rng["cpu"])
     if torch.cuda.is_available():
@@ -272,6 +273,14 @@ def load_checkpoint(
         if cuda:
             torch.cuda.set_rng_state_all(cuda)
     return ResumePoint(step=int(state["step"]), loader=LoaderState.from_dict(state["loader"]))
+
+
+def follow_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:
+    """Sets the learning rate of the step after `step` from the run's own schedule: a resume may have
+    changed `train.steps`, and the rate the checkpoint's schedule left in the optimizer (its end, 0,
+    when the checkpoint was that schedule's last step) is not the new schedule's."""
+    scheduler.last_epoch = step - 1
+    scheduler.step()  # recomputes every group's rate at `step` (counted from 0, as the trainer steps it)
 
 
 def check_layout(folder: Path, state: dict[str, Any], student: TrainStudent, *, doing: str) -> None:

@@ -15,7 +15,7 @@ from mopd.cli.main import cli
 from mopd.store import open_store
 from mopd.train.checkpoint import complete_checkpoints
 from mopd.train.run_record import RESUMABLE, diff_run_records, run_record
-from mopd.train.trainer import Trainer, run_training
+from mopd.train.trainer import Trainer, lr_factor, run_training
 from tests.train.world import World, world_config
 
 BASE = dict(steps=4, checkpoint={"every": 1, "keep": 4}, eval={"rows": 4, "every": 0})
@@ -70,6 +70,20 @@ def test_resume_allows_the_documented_settings(world: World, tmp_path: Path, two
     )
     result = train(config, output=two_steps)
     assert (result.first_step, result.last_step) == (3, 5)
+
+
+def test_a_resume_with_more_steps_follows_the_new_schedule(world: World, tmp_path: Path) -> None:
+    """A run of 2 steps resumed with `train.steps: 4` trains step 3 at the 4-step schedule's rate, not at
+    the end of the 2-step schedule (which is 0)."""
+    optim = {"lr": 5.0e-3, "warmup_steps": 1}
+    train(world_config(world, tmp_path / "short", **{**BASE, "steps": 2, "optim": optim}))
+    longer = world_config(world, tmp_path / "long", **{**BASE, "steps": 4, "optim": optim})
+    result = train(longer, output=tmp_path / "short" / "run")
+    rates = {r["step"]: r["lr"] for r in result.records if "lr" in r}
+    assert sorted(rates) == [3, 4]
+    for step, rate in rates.items():  # the schedule's `step` counts from 0
+        assert rate == pytest.approx(5.0e-3 * lr_factor(step - 1, warmup=1, total=4), rel=1e-12)
+    assert rates[3] > rates[4] > 0
 
 
 def test_the_record_covers_every_setting_but_the_resumable_ones(world: World, tmp_path: Path) -> None:
