@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from mopd.base.section import Section
 from mopd.config.parallel import ParallelConfig
@@ -92,6 +92,16 @@ class TrainConfig(Section):
     prefetch: int = Field(2, ge=1)
     output_dir: str = "out/run"
     checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @field_validator("parallel")
+    @classmethod
+    def _hf_is_data_parallel_only(cls, parallel: ParallelConfig, info: ValidationInfo) -> ParallelConfig:
+        if info.data.get("backend") == "hf" and (parallel.tp > 1 or parallel.pp > 1):
+            raise ValueError(
+                "the hf backend trains with data parallelism only (tp = pp = 1); tensor and pipeline "
+                "parallelism need train.backend megatron"
+            )
+        return parallel
 
     @model_validator(mode="before")
     @classmethod

@@ -11,13 +11,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mopd.base.errors import ConfigError
+from mopd.base.errors import ConfigError, MopdError
 from mopd.config.parallel import ParallelConfig
 
 
 @dataclass(frozen=True)
 class ModelParallelGroup:
-    """This rank's place in the world: its tp × pp model-parallel group, stage, slice and replica."""
+    """This rank's place in the world: its tp × pp model-parallel group, stage, slice and replica.
+
+    It owns megatron-core's model-parallel state (and the process group, where `start` made one): used as
+    a context manager, or closed with `close`, it leaves neither behind on any exit path, so the next
+    stage of the same process starts its own layout.
+    """
 
     device: torch.device
     tp: int
@@ -57,9 +62,32 @@ class ModelParallelGroup:
             raise ConfigError(
                 f"the megatron backend needs megatron-core ({err}); pip install 'mopd[megatron]'"
             ) from err
+        if parallel_state.model_parallel_is_initialized():
+            # Another stage of this process (precompute before training in `mopd rounds`, say) left its
+            # layout behind: reusing it would run this stage at that layout, whatever `what` says.
+            live_tp = parallel_state.get_tensor_model_parallel_world_size()
+            live_pp = parallel_state.get_pipeline_model_parallel_world_size()
+            raise MopdError(
+                f"{what} tp={parallel.tp} × pp={parallel.pp}: megatron-core's model-parallel state is "
+                f"already initialised in this process (tp={live_tp} × pp={live_pp}) by a stage that did "
+                "not close its ModelParallelGroup"
+            )
         owns = not dist.is_initialized()
         if owns:
             _init_process_group(device)
+        try:
+            return cls._join(parallel, device, what=what, owns=owns)
+        except BaseException:
+            if owns:
+                dist.destroy_process_group()
+            raise
+
+    @classmethod
+    def _join(
+        cls, parallel: ParallelConfig, device: torch.device, *, what: str, owns: bool
+    ) -> ModelParallelGroup:
+        from megatron.core import parallel_state
+
         world = dist.get_world_size()
         if world % (parallel.tp * parallel.pp):
             raise ConfigError(
@@ -68,16 +96,19 @@ class ModelParallelGroup:
             )
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp
-            )
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        places: list[Any] = [None] * parallel.tp * parallel.pp
-        dist.all_gather_object(
-            places, (dist.get_rank(), tp_rank, pp_rank), group=parallel_state.get_model_parallel_group()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp
         )
+        try:
+            tp_rank = parallel_state.get_tensor_model_parallel_rank()
+            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+            places: list[Any] = [None] * parallel.tp * parallel.pp
+            dist.all_gather_object(
+                places, (dist.get_rank(), tp_rank, pp_rank), group=parallel_state.get_model_parallel_group()
+            )
+        except BaseException:
+            parallel_state.destroy_model_parallel()
+            raise
         lead = next(rank for rank, t, p in places if t == 0 and p == parallel.pp - 1)
         return cls(
             device=device,
@@ -97,8 +128,18 @@ class ModelParallelGroup:
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
-        if self.owns_process_group:
+        if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+
+    def __enter__(self) -> ModelParallelGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_for_world(self) -> None:
+        """Returns once every rank of the world has reached this point (every group's work is done)."""
+        dist.barrier()
 
     def share(self, items: list[Any]) -> list[Any]:
         """The lead's `items`, on every rank of the model-parallel group."""

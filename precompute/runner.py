@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -161,8 +162,9 @@ def ingest_rows(
 def start_job(
     backend: str, settings: PrecomputeConfig, num_tasks: int, task_index: int
 ) -> tuple[ModelParallelGroup | None, int, int]:
-    """The megatron backend's model-parallel group (None for the others) and this job's share of the
-    tasks as (num_tasks, task_index): each tp × pp group of the world is one job of the split."""
+    """The megatron backend's model-parallel group (None for the others), which the caller closes, and
+    this job's share of the tasks as (num_tasks, task_index): each tp × pp group of the world is one job
+    of the split."""
     if backend != "megatron":
         return None, num_tasks, task_index
     from mopd.mcore.parallel import ModelParallelGroup
@@ -350,11 +352,15 @@ def run_precompute(
     plan = build_plan(config, teachers, rows, backend, compute_dtype(settings))
 
     group, num_tasks, task_index = start_job(backend, settings, num_tasks, task_index)
-    output = open_output(store, plan, config.store.dtype, group)
-    share = job_share(plan, output, group, num_tasks, task_index)
-    if output.writes:
-        log(describe_share(store, plan, share, rows, config.data.max_length))
+    with group or nullcontext():  # the job's model-parallel state ends with the job, however it ends
+        output = open_output(store, plan, config.store.dtype, group)
+        share = job_share(plan, output, group, num_tasks, task_index)
+        if output.writes:
+            log(describe_share(store, plan, share, rows, config.data.max_length))
 
-    progress = show_progress and output.writes
-    tokens_per_s = run_tasks(output, share.todo, teachers, rows, settings, backend, group, progress)
-    return precompute_result(store, plan, share, rows, output.finalize(), tokens_per_s, output.writes)
+        progress = show_progress and output.writes
+        tokens_per_s = run_tasks(output, share.todo, teachers, rows, settings, backend, group, progress)
+        manifest = output.finalize()
+        if group is not None:  # every rank returns once its world's stores are written, the manifest too
+            group.wait_for_world()
+    return precompute_result(store, plan, share, rows, manifest, tokens_per_s, output.writes)

@@ -180,7 +180,7 @@ class Rounds:
         """Trains the round (resuming its own checkpoints) and returns its run folder."""
         run = Path(config.train.output_dir if config.train else "")
         found = complete_checkpoints(run / "checkpoints")
-        if not found or int(read_state(found[-1])["step"]) < self.rounds.steps_per_round:
+        if not found or read_state(found[-1]).step < self.rounds.steps_per_round:
             run_training(config, resume=None, log=self.log)
         return run
 

@@ -37,8 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from safetensors.torch import load_file, save_file
 
 from mopd.base import faults
-from mopd.base.completion import COMPLETE, check_complete, write_complete
-from mopd.base.errors import CheckpointError, ConfigError, MopdError
+from mopd.base.completion import COMPLETE, write_complete
+from mopd.base.errors import CheckpointError, MopdError
 from mopd.base.fsio import is_temporary, publish_dir, unique_temp_name, write_replace
 from mopd.base.jsonio import describe_location, read_json
 from mopd.store.teachers import TeacherIdentity, write_teacher_list
@@ -77,12 +77,6 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tens
 
 def optimizer_file(shard: str) -> str:
     return f"optimizer-{shard}.safetensors" if shard else "optimizer.safetensors"
-
-
-def describe_layout(layout: dict[str, Any]) -> str:
-    if layout.get("backend") == "megatron":
-        return f"megatron tp={layout['tp']} × pp={layout['pp']}"
-    return str(layout.get("backend", "hf"))
 
 
 def save_checkpoint(
@@ -192,7 +186,36 @@ def remove_temporaries(root: Path) -> list[str]:
     return stale
 
 
-def read_state(folder: Path) -> dict[str, Any]:
+Count = Annotated[StrictInt, Field(ge=0)]
+
+
+class LoaderRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seed: StrictInt
+    epoch: Count
+    step_in_epoch: Count
+
+
+class CheckpointState(BaseModel):
+    """A checkpoint's state.json, read once (`read_state`): where the run stands, what it was trained on
+    and by which layout (the optimizer's own fields are torch's to check)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    step: Count
+    loader: LoaderRecord
+    param_groups: list[dict[str, Any]]
+    scheduler: dict[str, Any]
+    layout: dict[str, Any] = {"backend": "hf"}  # the student's: backend, and tp and pp for megatron
+    run: dict[str, Any] = {}  # the run record (`run_record.run_record`)
+
+    @property
+    def loader_state(self) -> LoaderState:
+        return LoaderState.from_dict(self.loader.model_dump())
+
+
+def read_state(folder: Path) -> CheckpointState:
     """A complete checkpoint's state.json.
 
     Raises:
@@ -206,73 +229,33 @@ def read_state(folder: Path) -> dict[str, Any]:
     except FileNotFoundError as err:
         raise CheckpointError(f"{path} is missing") from err
     try:
-        return _State.model_validate(raw).model_dump()
+        return CheckpointState.model_validate(raw)
     except ValidationError as err:
         first = err.errors()[0]
         where = describe_location(first["loc"])
         raise CheckpointError(f"{path}: malformed checkpoint state: {where}: {first['msg']}") from err
 
 
-Count = Annotated[StrictInt, Field(ge=0)]
-
-
-class _Loader(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    seed: StrictInt
-    epoch: Count
-    step_in_epoch: Count
-
-
-class _State(BaseModel):
-    """state.json as a resume reads it (the optimizer's own fields are torch's to check)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    step: Count
-    loader: _Loader
-    param_groups: list[dict[str, Any]]
-    scheduler: dict[str, Any]
-    layout: dict[str, Any] = {"backend": "hf"}
-    run: dict[str, Any] = {}
-
-
-def check_checkpoint_files(folder: Path) -> None:
-    """Refuses a checkpoint any file of which is missing, truncated or changed since it was written.
-
-    Raises:
-        CheckpointError: naming each such file.
-    """
-    problems = check_complete(folder)
-    if problems:
-        raise CheckpointError(f"checkpoint {folder} is damaged:\n  " + "\n  ".join(problems))
-
-
 def load_checkpoint(
     folder: Path,
+    state: CheckpointState,
     *,
     student: TrainStudent,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
 ) -> ResumePoint:
-    """Restores model, optimizer, scheduler and RNG from `folder`; returns the step and loader state.
-
-    Raises:
-        ConfigError: a checkpoint of another layout than `student`'s.
-        CheckpointError: not a complete checkpoint, or a damaged one.
-    """
-    state = read_state(folder)
-    check_layout(folder, state, student, doing="resume from")
-    load_weights(folder, student, optimizer, hyper_parameters=True)
-    scheduler.load_state_dict({**state["scheduler"], "lr_lambdas": [None] * len(optimizer.param_groups)})
-    follow_schedule(scheduler, int(state["step"]))
+    """Restores model, optimizer, scheduler and RNG from `folder`, whose `state` the caller read and
+    checked (`resume.resume_checkpoint`); returns the step and loader state."""
+    load_weights(folder, state, student, optimizer, hyper_parameters=True)
+    scheduler.load_state_dict({**state.scheduler, "lr_lambdas": [None] * len(optimizer.param_groups)})
+    follow_schedule(scheduler, state.step)
     rng = load_file(str(folder / "rng.safetensors"))
     torch.set_rng_state(rng["cpu"])
     if torch.cuda.is_available():
         cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda"))]
         if cuda:
             torch.cuda.set_rng_state_all(cuda)
-    return ResumePoint(step=int(state["step"]), loader=LoaderState.from_dict(state["loader"]))
+    return ResumePoint(step=state.step, loader=state.loader_state)
 
 
 def follow_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:
@@ -283,18 +266,9 @@ def follow_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) 
     scheduler.step()  # recomputes every group's rate at `step` (counted from 0, as the trainer steps it)
 
 
-def check_layout(folder: Path, state: dict[str, Any], student: TrainStudent, *, doing: str) -> None:
-    """Refuses a checkpoint written by a student of another backend or tensor × pipeline layout."""
-    if state["layout"] != student.layout:
-        raise ConfigError(
-            f"cannot {doing} {folder}: it was written by a {describe_layout(state['layout'])} student, "
-            f"this run is {describe_layout(student.layout)} (train.backend, train.parallel); use the "
-            "checkpoint's layout, or `mopd export-hf` it and start a new run from the exported student"
-        )
-
-
 def load_weights(
     folder: Path,
+    state: CheckpointState,
     student: TrainStudent,
     optimizer: torch.optim.Optimizer | None,
     *,
@@ -306,7 +280,6 @@ def load_weights(
     student.load_weights(folder / "model")
     if optimizer is None:
         return
-    state = read_state(folder)
     tensors = load_file(str(folder / optimizer_file(student.shard)))
     slots: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
@@ -314,7 +287,7 @@ def load_weights(
         slots.setdefault(int(position), {})[name] = value
     # Hyper-parameters from the run, parameter positions from this rank's own optimizer (its shard's).
     own = optimizer.state_dict()["param_groups"]
-    saved = state["param_groups"] if hyper_parameters else own
+    saved = state.param_groups if hyper_parameters else own
     groups = [
         {**g, "params": mine["params"], **({"betas": tuple(g["betas"])} if "betas" in g else {})}
         for g, mine in zip(saved, own, strict=True)

@@ -75,9 +75,17 @@ class RankGroup:
         if self.enabled:
             dist.barrier(group=self.group)
 
+    def __enter__(self) -> RankGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
-        if self.owns_group:
+        """Destroys the process group where `from_environment` made it (a second call does nothing)."""
+        if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+        self.owns_group = False
 
 
 def sum_gradients(parameters: Sequence[torch.nn.Parameter], group: Any) -> None:

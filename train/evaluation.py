@@ -8,20 +8,21 @@ from pathlib import Path
 import numpy as np
 
 from mopd.config.mopd_config import MopdConfig
-from mopd.config.train import EvalConfig
+from mopd.train.checkpoint import load_weights
 from mopd.train.metrics import EvalRecord
-from mopd.train.trainer import Log, Trainer
+from mopd.train.resume import init_checkpoint
+from mopd.train.session import Log, open_session
 
 
 def evaluate_student(config: MopdConfig, *, store_path: str | Path, log: Log = print) -> EvalRecord:
     """The divergence per teacher, over every trained token of a store, of the student that
-    `train.init_from` names (else `train.student`): what `train.eval` measures on held-out rows."""
-    quiet = config.train.model_copy(update={"eval": EvalConfig()}) if config.train is not None else None
-    trainer = Trainer(config.model_copy(update={"train": quiet}), store_path=store_path, log=log)
-    try:
-        trainer.start_from()
-        trainer.eval_rows = np.arange(trainer.store.num_rows)
-        return trainer.evaluate(0)
-    finally:
-        trainer.student.close()
-        trainer.world.close()
+    `train.init_from` names (else `train.student`): what `train.eval` measures on held-out rows.
+
+    Builds a session only: no optimiser, no data order, no optimiser state loaded.
+    """
+    with open_session(config, store_path=store_path, log=log) as session:
+        init = session.config.init_from
+        if init is not None:
+            found = init_checkpoint(init, layout=session.student.layout, world=session.world)
+            load_weights(found.folder, found.state, session.student, None, hyper_parameters=False)
+        return session.evaluate(np.arange(session.store.num_rows), step=0)

@@ -74,7 +74,7 @@ def export_hf(checkpoint: Path, output: Path) -> Path:
     output = Path(output)
     if output.exists() and any(output.iterdir()):
         raise ConfigError(f"export: {output} already exists and is not empty; choose a new folder")
-    layout = read_state(checkpoint)["layout"]
+    layout = read_state(checkpoint).layout
     temp = unique_temp_name(output)
     temp.mkdir(parents=True)
     try:

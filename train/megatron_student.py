@@ -123,8 +123,7 @@ class MegatronStudent:
         load_state(self.model, load_file(str(file)))
 
     def close(self) -> None:
-        """Leaves megatron-core's parallel state (and the process group, where `group` made it)."""
-        self.group.close()
+        """Nothing to release: the model-parallel group belongs to whoever started it (the session)."""
 
     def data_parallel(self) -> RankGroup:
         """The replicas of this rank's stage and slice: they sum gradients, and split the data."""

@@ -51,9 +51,15 @@ def test_sequence_parallel_without_tensor_parallelism_is_named(tmp_path: Path) -
     text = BASE + "precompute: {parallel: {tp: 1, sequence_parallel: true}}\n"
     with pytest.raises(ConfigError, match=r"`precompute.parallel`: .*sequence_parallel .* needs tp ≥ 2"):
         load_config(write(tmp_path, text))
-    text = BASE + "train: {student: s, parallel: {tp: 2, sequence_parallel: true}}\n"
+    text = BASE + "train: {student: s, backend: megatron, parallel: {tp: 2, sequence_parallel: true}}\n"
     ok = load_config(write(tmp_path, text))
     assert ok.train is not None and ok.train.parallel.sequence_parallel
+
+
+def test_tensor_parallelism_of_an_hf_student_is_refused_at_load(tmp_path: Path) -> None:
+    text = BASE + "train: {student: s, parallel: {tp: 2}}\n"
+    with pytest.raises(ConfigError, match=r"`train.parallel`: .*the hf backend trains with data parallelism"):
+        load_config(write(tmp_path, text))
 
 
 def test_routing_to_unknown_alias(tmp_path: Path) -> None:

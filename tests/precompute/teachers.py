@@ -150,7 +150,7 @@ def assert_same_chat_tokens(exported: Path, original: Path) -> None:
         {"role": "assistant", "content": "42."},
         {"role": "user", "content": "And 7 * 6?"},
     ]
-    want = AutoTokenizer.from_pretrained(original).apply_chat_template(chat, add_generation_prompt=True)
-    got = AutoTokenizer.from_pretrained(exported).apply_chat_template(chat, add_generation_prompt=True)
+    want: Any = AutoTokenizer.from_pretrained(original).apply_chat_template(chat, add_generation_prompt=True)
+    got: Any = AutoTokenizer.from_pretrained(exported).apply_chat_template(chat, add_generation_prompt=True)
     assert len(want["input_ids"]) > 10
     assert got["input_ids"] == want["input_ids"]

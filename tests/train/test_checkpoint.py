@@ -26,7 +26,8 @@ def test_checkpoints_hold_safetensors_and_json_only(world: World, tmp_path: Path
     files = {p.relative_to(result.checkpoint).as_posix() for p in result.checkpoint.rglob("*") if p.is_file()}
     assert {"COMPLETE", "state.json", TEACHER_LIST_FILE, "optimizer.safetensors", "rng.safetensors"} <= files
     assert {"model/config.json", "model/model.safetensors", "model/tokenizer.json"} <= files
-    assert all(Path(f).suffix in {".json", ".safetensors", ""} for f in files), files
+    assert "model/chat_template.jinja" in files  # the student's chat template, as transformers saves it
+    assert all(Path(f).suffix in {".json", ".safetensors", ".jinja", ""} for f in files), files
     state = json.loads((result.checkpoint / "state.json").read_text())
     assert state["step"] == 2 and state["loader"]["seed"] == 0
 

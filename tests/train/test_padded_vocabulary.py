@@ -93,7 +93,7 @@ def test_the_objective_is_the_reference_over_the_real_vocabulary(padded: Padded,
     trainer = Trainer(load_config(padded.config(tmp_path, lm_head_lifecycle="none")), log=lambda _l: None)
     store = open_store(padded.store)
     assert [t.vocab_size for t in store.teachers] == [320, 384] and trainer.student.output_rows == 288
-    assert trainer.vocab_size == TOKENS == store.manifest.tokenizer.vocab_size
+    assert trainer.objective.vocab_size == TOKENS == store.manifest.tokenizer.vocab_size
     mb = next(trainer.loader.steps(LoaderState(0))).microbatches[0]
     assert set(mb.teacher_hidden) == {0, 1}
     hidden = trainer.student.hidden_states(mb.input_ids, mb.attention_mask)[mb.loss_mask].detach()

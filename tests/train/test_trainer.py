@@ -19,13 +19,13 @@ from mopd.store.reader import TeacherStore, open_store
 from mopd.store.teachers import TEACHER_LIST_FILE
 from mopd.train.checkpoint import complete_checkpoints
 from mopd.train.metrics import METRICS_FILE, PLOT_FILE, read_metrics
+from mopd.train.objective import teacher_weights
 from mopd.train.trainer import (
     NonFiniteError,
     Trainer,
     TrainResult,
     lr_factor,
     run_training,
-    teacher_weights,
 )
 from tests.tolerance import assert_close, mean_over, perturbed, sum_rtol, trajectory_rtol, value_atol
 from tests.train.world import World, world_config
@@ -157,7 +157,7 @@ def test_each_row_uses_its_own_teachers_head(world: World, tmp_path: Path) -> No
         norm = torch.full((mb.num_trained,), 1.0 / mb.num_trained)
         _, per_token = trainer.objective(hidden, trainer.student.head, mb, norm)
         # The fused value against log-softmax of materialised logits: one token's rounding, twice.
-        bound = value_atol(trainer.vocab_size, store_logit_range(world.store))
+        bound = value_atol(trainer.objective.vocab_size, store_logit_range(world.store))
         assert_close(per_token, _student_reference(trainer, mb.rows), atol=bound, what="per_token")
         heads = trainer.heads._kept
         heads[0], heads[1] = heads[1], heads[0]
@@ -240,7 +240,7 @@ def test_ce_mix_and_teacher_weights(world: World, tmp_path: Path) -> None:
         mixed, _ = trainer.objective(hidden, trainer.student.head, mb, norm)
         # The fused hard-label CE against torch's, per token within value_atol; the difference of two
         # losses of N summed terms also carries their own sums' rounding.
-        vocab = trainer.vocab_size
+        vocab = trainer.objective.vocab_size
         atol = 0.5 * value_atol(vocab, store_logit_range(world.store)) + 2 * sum_rtol(mb.num_trained) * float(
             mixed.abs() + base.abs()
         )

@@ -1,0 +1,119 @@
+"""Stages of one process each own their process groups: a megatron precompute at tp=2 followed by
+training at tp=1 (as `mopd rounds` runs them) trains at tp=1; a run that fails while it is set up under
+torchrun leaves no process group behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import yaml
+from safetensors import safe_open
+
+from tests.distributed.harness import run_distributed
+from tests.precompute.teachers import agent_records, make_tokenizer, save_teacher, write_jsonl
+from tests.train.world import write_train_config
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One teacher (two key/value heads, so that tp=2 splits it) under two aliases, a student, 16 rows;
+    precompute runs the megatron backend at tp=2, training the megatron backend at tp=1."""
+    root = tmp_path_factory.mktemp("stage-layouts")
+    tokenizer = make_tokenizer()
+    teacher = save_teacher(
+        root / "teacher", "llama", hidden_size=64, seed=41, tokenizer=tokenizer, num_key_value_heads=2
+    )
+    student = save_teacher(root / "student", "llama", hidden_size=64, seed=42, tokenizer=tokenizer)
+    path = write_train_config(
+        root,
+        {"math": teacher, "code": teacher},
+        data=write_jsonl(root / "train.jsonl", agent_records(16)),
+        store=root / "store.zarr",
+        student=student,
+        backend="megatron",
+        device="cpu",
+        steps=2,
+    )
+    raw = yaml.safe_load(path.read_text())
+    raw["precompute"] |= {"backend": "megatron", "device": "cpu", "parallel": {"tp": 2, "pp": 1}}
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _precompute_then_train(rank: int, world_size: int, config_path: str) -> dict:
+    from megatron.core import parallel_state
+
+    from mopd.config.mopd_config import load_config
+    from mopd.precompute.runner import run_precompute
+    from mopd.train.trainer import run_training
+
+    config = load_config(Path(config_path))
+    run_precompute(config, show_progress=False, log=lambda *_: None)
+    after_precompute = parallel_state.model_parallel_is_initialized()
+    result = run_training(config, log=lambda _line: None)
+    return {
+        "after_precompute": after_precompute,
+        "after_training": parallel_state.model_parallel_is_initialized(),
+        "world_kept": dist.is_initialized(),  # the harness's group: not the stages' to destroy
+        "checkpoint": str(result.checkpoint),
+    }
+
+
+def test_precompute_at_tp2_then_training_at_tp1_in_one_process(config: Path) -> None:
+    results = run_distributed(_precompute_then_train, world_size=2, args=(str(config),), timeout=300)
+    assert [r["after_precompute"] for r in results] == [False, False]
+    assert [r["after_training"] for r in results] == [False, False]
+    assert [r["world_kept"] for r in results] == [True, True]
+    checkpoint = Path(results[0]["checkpoint"])
+    state = json.loads((checkpoint / "state.json").read_text())
+    assert state["layout"] == {"backend": "megatron", "tp": 1, "pp": 1}
+    assert state["run"]["data_parallel_size"] == 2  # both ranks are replicas of a whole student
+    shards = sorted(p.name for p in (checkpoint / "model").glob("*.safetensors"))
+    assert shards == ["tp00-pp00.safetensors"]
+    with safe_open(checkpoint / "model" / shards[0], "pt") as f:
+        rows = f.get_slice("embedding.word_embeddings.weight").get_shape()[0]
+    assert rows >= len(make_tokenizer())  # the whole vocabulary, not one of two tensor-parallel halves
+
+
+PROBE = """
+import sys
+import torch.distributed as dist
+from mopd.base.errors import MopdError
+from mopd.config.mopd_config import load_config
+from mopd.train.trainer import Trainer
+
+try:
+    Trainer(load_config(sys.argv[1]), store_path=sys.argv[2], log=lambda _line: None)
+except MopdError as err:
+    print(f"refused: {type(err).__name__}; process group left: {dist.is_initialized()}", flush=True)
+"""
+
+
+def test_a_failed_set_up_under_torchrun_leaves_no_process_group(config: Path, tmp_path: Path) -> None:
+    """Under torchrun the session makes the world's process group before it opens the store: a store
+    that cannot be opened ends the set-up, and the group with it."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run(
+        [*launch, str(probe), str(config), str(tmp_path / "no-store.zarr")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"OMP_NUM_THREADS": "1", **os.environ},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("refused"))
+    assert lines == ["refused: ManifestError; process group left: False"] * 2, (
+        done.stdout + done.stderr[-2000:]
+    )

@@ -1,0 +1,209 @@
+"""A training session: what training and evaluation share — the process groups, the store, the student,
+its teachers' heads and the objective — built by one function, `open_session`, and used as a context
+manager.
+
+The session owns every process group it starts (the world's, under torchrun; megatron-core's
+model-parallel state and, without torchrun, its one-rank world) and closes them on every exit path, a
+failure while it is being built included. `Trainer` adds the optimiser, the schedule and the data order
+to a session; `evaluate_student` adds nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mopd.base.devices import rank_device
+from mopd.base.errors import ConfigError
+from mopd.config.mopd_config import MopdConfig
+from mopd.config.train import TrainConfig
+from mopd.store.reader import TeacherStore, open_store
+from mopd.store.teachers import TeacherIdentity
+from mopd.train.data_order import rank_microbatches
+from mopd.train.distributed import RankGroup
+from mopd.train.heads import TeacherHeads
+from mopd.train.loader import MicroBatch, read_microbatches
+from mopd.train.metrics import EvalRecord
+from mopd.train.objective import Objective, StepStats, teacher_weights
+from mopd.train.student import HFStudent, LossFn, TrainStudent
+from mopd.train.vocabulary import distilled_vocabulary
+
+Log = Callable[[str], None]
+
+
+def _silent(_line: str) -> None:
+    pass
+
+
+@dataclass
+class Session:
+    """One rank's part of a training run, up to the loss (see the module docstring)."""
+
+    config: TrainConfig
+    device: torch.device
+    world: RankGroup  # every process of the run
+    store: TeacherStore
+    student: TrainStudent
+    # The student's data-parallel replicas: the world on the hf backend, one rank of each
+    # model-parallel group on the megatron backend. The loader deals rows to them.
+    replicas: RankGroup
+    heads: TeacherHeads
+    objective: Objective
+    heads_by_rank: list[int]  # bytes of teacher heads each rank of the world holds (device or host)
+    log: Log  # rank 0's lines; the other ranks' are dropped
+    exits: ExitStack = field(repr=False)  # closes what the session started, last first
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Releases the student and every process group the session started (a second call does
+        nothing)."""
+        self.exits.close()
+
+    @property
+    def num_teachers(self) -> int:
+        return max(t.index for t in self.store.manifest.teachers) + 1
+
+    @property
+    def teacher_list(self) -> list[TeacherIdentity]:
+        return [TeacherIdentity(t.index, t.checkpoint, t.fingerprint) for t in self.store.manifest.teachers]
+
+    def loss_fn(
+        self, stats: StepStats, norm_of: Callable[[MicroBatch], torch.Tensor], *, train: bool
+    ) -> LossFn:
+        """The loss of one microbatch as the student's forward_backward calls it, its per-token
+        divergences gathered into `stats`; `norm_of` gives each trained token's weight."""
+
+        def loss_fn(hidden: torch.Tensor, head: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, None]:
+            mb = mb.to(self.device)
+            loss, per_token = self.objective(hidden, head if train else head.detach(), mb, norm_of(mb))
+            if self.student.reports:
+                stats.add(per_token, mb.teacher_index, loss if train else torch.zeros(()))
+            return loss, None
+
+        return loss_fn
+
+    @torch.no_grad()
+    def evaluate(self, rows: np.ndarray, *, step: int) -> EvalRecord:
+        """Mean divergence per trained token of `rows` (store rows), by teacher (no weighting, no CE)."""
+        self.student.train(False)
+        stats = StepStats(self.num_teachers)
+        microbatches = read_microbatches(
+            self.store,
+            rank_microbatches(
+                rows,
+                self.store.lengths,
+                dp_rank=self.replicas.rank,
+                dp_size=self.replicas.size,
+                micro_batch_tokens=self.config.batch.micro_batch_tokens,
+            ),
+            teacher_hidden=self.student.holds_loss,
+        )
+        zero = lambda mb: torch.zeros(mb.num_trained, device=self.device)  # noqa: E731
+        self.student.forward_backward(microbatches, self.loss_fn(stats, zero, train=False), forward_only=True)
+        stats.reduce(self.world)
+        self.student.train()
+        return EvalRecord(split="eval", step=step, **stats.divergences())
+
+
+def open_session(config: MopdConfig, *, store_path: str | Path | None = None, log: Log = print) -> Session:
+    """Builds the session of `config`'s `train` section over its store (or `store_path`).
+
+    Raises:
+        ConfigError: no train section, or a student, store or setting that does not fit; MopdError
+            subclasses for a store that cannot be read. Whatever the session had started is closed.
+    """
+    if config.train is None:
+        raise ConfigError("the config has no `train` section; add one (see DESIGN §9) to train")
+    tc = config.train
+    with ExitStack() as exits:
+        device = rank_device(tc.device)
+        world = exits.enter_context(RankGroup.from_environment(device))
+        log = log if world.rank == 0 else _silent
+        torch.manual_seed(tc.seed)
+        store = open_store(store_path or config.store.path)
+        manifest = store.manifest
+        log(
+            f"store {store.root}: {store.num_rows:,} rows, {manifest.dataset.num_tokens:,} tokens, "
+            f"{len(manifest.teachers)} teachers"
+        )
+        if store.format_note:
+            log(f"note: {store.format_note}")
+        log(f"loading student {tc.student} ({tc.backend}, {tc.dtype}) on {device}")
+        student = _load_student(tc, device, world, exits)
+        student.check_compatible(manifest)
+        vocab_size = distilled_vocabulary(manifest, student_rows=student.output_rows, override=tc.vocab_size)
+        vocab_start, vocab_stop = student.vocab_slice(vocab_size)
+        heads = TeacherHeads(
+            store,
+            [t.index for t in manifest.teachers] if student.holds_loss else [],
+            lifecycle=tc.lm_head_lifecycle,
+            device=device,
+            vocab_start=vocab_start,
+            vocab_stop=vocab_stop,
+        )
+        objective = Objective(
+            tc.divergence,
+            heads,
+            teacher_weights(manifest, tc.teacher_weights),
+            vocab_size,
+            student,
+            vocab_slice=(vocab_start, vocab_stop),
+        )
+        heads_by_rank = _account_heads(tc, heads, world, device, log)
+        session = Session(
+            tc,
+            device,
+            world,
+            store,
+            student,
+            student.data_parallel(),
+            heads,
+            objective,
+            heads_by_rank,
+            log,
+            exits.pop_all(),
+        )
+    return session
+
+
+def _load_student(tc: TrainConfig, device: torch.device, world: RankGroup, exits: ExitStack) -> TrainStudent:
+    """The student on this rank; a megatron student's model-parallel group joins `exits`."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[tc.dtype]
+    if tc.backend == "megatron":
+        from mopd.mcore.parallel import ModelParallelGroup
+        from mopd.train.megatron_student import MegatronStudent
+
+        group = exits.enter_context(ModelParallelGroup.start(tc.parallel, device, what="train.parallel"))
+        student: TrainStudent = MegatronStudent(tc.student, group=group, dtype=dtype)
+    else:
+        student = HFStudent(tc.student, device=device, dtype=dtype, dp=world)
+    exits.callback(student.close)
+    return student
+
+
+def _account_heads(
+    tc: TrainConfig, heads: TeacherHeads, world: RankGroup, device: torch.device, log: Log
+) -> list[int]:
+    """Bytes of teacher heads each rank of the world holds (device or host), logged by rank 0."""
+    held = world.all_gather_object(heads.held_bytes)
+    if tc.lm_head_lifecycle == "none":
+        log(
+            f"lm_head_lifecycle none: {len(heads.teachers)} teacher heads stay on {device} "
+            f"({heads.resident_bytes / 2**20:.1f} MiB); this grows linearly with the teacher count"
+        )
+    if world.enabled:
+        log(
+            "teacher heads held by rank: "
+            + ", ".join(f"{rank}: {size / 2**20:.2f} MiB" for rank, size in enumerate(held))
+        )
+    return held
