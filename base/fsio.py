@@ -138,6 +138,14 @@ def file_digests(root: Path) -> dict[str, tuple[int, str]]:
     return dict(sorted(out.items()))
 
 
+def files_digest(root: Path, names: list[str] | None = None) -> list[tuple[str, int, str]]:
+    """(relative path, size, sha256) of a file, or of the files of a folder (`names`: only those)."""
+    if root.is_file():
+        return [(root.name, root.stat().st_size, sha256_file(root))]
+    paths = [root / n for n in names] if names is not None else sorted(p for p in root.rglob("*"))
+    return [(p.relative_to(root).as_posix(), p.stat().st_size, sha256_file(p)) for p in paths if p.is_file()]
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:

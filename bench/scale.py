@@ -43,11 +43,12 @@ sys.path.insert(0, str(REPO))
 
 from bench.store_io import drop_page_cache  # noqa: E402
 from mopd.config.mopd_config import load_config  # noqa: E402
-from mopd.precompute.ingest import INGEST_DIR, ingest  # noqa: E402
+from mopd.precompute.ingest import ingest  # noqa: E402
 from mopd.precompute.packaged_models import smollm2_checkpoint  # noqa: E402
 from mopd.precompute.teachers import load_tokenizer  # noqa: E402
 from mopd.store import open_store  # noqa: E402
 from mopd.store.chunks import clear_cache  # noqa: E402
+from mopd.store.provenance import INGEST_DIR  # noqa: E402
 from mopd.train.data_order import epoch_steps, rank_microbatches  # noqa: E402
 from mopd.train.loader import read_microbatches  # noqa: E402
 from mopd.train.metrics import METRICS_FILE, read_metrics  # noqa: E402

@@ -39,7 +39,11 @@ def verify_manifest_command(
     """
     config = load_config(config_path) if config_path is not None else None
     problems, warnings = verify_store(
-        store, teachers=config.teachers if config else None, checkpoint=checkpoint, full=full
+        store,
+        teachers=config.teachers if config else None,
+        routing=config.routing.model_dump(mode="json") if config else None,
+        checkpoint=checkpoint,
+        full=full,
     )
     for warning in warnings:
         click.echo(f"warning: {warning}", err=True)

@@ -28,26 +28,18 @@ from typing import Any
 import pyarrow as pa
 
 from mopd.base.errors import ConfigError
-from mopd.base.fsio import fsync_path, is_temporary, sha256_file
+from mopd.base.fsio import files_digest, fsync_path, is_temporary
 from mopd.base.jsonio import parse_json
 from mopd.config.precompute import DataConfig, RoutingConfig
 from mopd.precompute.data import TokenizedRows, load_records, tokenize_dataset
 from mopd.store.fingerprint import TOKENIZER_FILES
 from mopd.store.manifest import canonical_json
+from mopd.store.provenance import INGEST_RECORD
 
-INGEST_DIR = "ingest"
 INGEST_VERSION = 1
-ROWS_FILE, META_FILE = "rows.arrow", "ingest.json"
+ROWS_FILE = "rows.arrow"
 _BATCH_ROWS = 1 << 16
 _STALE_SECONDS = 3600  # a temporary folder untouched this long belongs to a killed ingest
-
-
-def _files_digest(root: Path, names: list[str] | None = None) -> list[tuple[str, int, str]]:
-    """(relative path, size, sha256) of a file, or of the files of a folder (`names`: only those)."""
-    if root.is_file():
-        return [(root.name, root.stat().st_size, sha256_file(root))]
-    paths = [root / n for n in names] if names is not None else sorted(p for p in root.rglob("*"))
-    return [(p.relative_to(root).as_posix(), p.stat().st_size, sha256_file(p)) for p in paths if p.is_file()]
 
 
 def ingest_key(
@@ -62,8 +54,8 @@ def ingest_key(
     source = Path(data.path)
     inputs = {
         "version": INGEST_VERSION,
-        "source": _files_digest(source),
-        "tokenizer": _files_digest(Path(tokenizer_path), list(TOKENIZER_FILES)),
+        "source": files_digest(source),
+        "tokenizer": files_digest(Path(tokenizer_path), list(TOKENIZER_FILES)),
         "max_length": data.max_length,
         "overlong": data.overlong,
         "routing_field": routing.field,
@@ -75,7 +67,9 @@ def ingest_key(
 
 def open_ingested(folder: Path) -> TokenizedRows:
     """The published rows of an ingest folder, memory-mapped."""
-    meta = parse_json((folder / META_FILE).read_bytes(), what=str(folder / META_FILE), error=ConfigError)
+    meta = parse_json(
+        (folder / INGEST_RECORD).read_bytes(), what=str(folder / INGEST_RECORD), error=ConfigError
+    )
     with pa.memory_map(str(folder / ROWS_FILE)) as source:
         table = pa.ipc.open_file(source).read_all()
     return TokenizedRows(table, meta["rows"])
@@ -96,11 +90,11 @@ def _publish(rows: TokenizedRows, inputs: dict[str, Any], work: Path, folder: Pa
     with pa.OSFile(str(work / ROWS_FILE), "wb") as sink, pa.ipc.new_file(sink, table.schema) as out:
         for start in range(0, table.num_rows, _BATCH_ROWS):
             out.write_batch(table.slice(start, _BATCH_ROWS).combine_chunks().to_batches()[0])
-    (work / META_FILE).write_bytes(canonical_json({"inputs": inputs, "rows": rows.meta}))
+    (work / INGEST_RECORD).write_bytes(canonical_json({"inputs": inputs, "rows": rows.meta}))
     del table
     for path in work.glob("map*.arrow"):  # unlinked while the caller's rows still map them: Linux keeps
         path.unlink()  # a mapped file's pages until the mapping goes
-    for path in (work / ROWS_FILE, work / META_FILE, work):
+    for path in (work / ROWS_FILE, work / INGEST_RECORD, work):
         fsync_path(path)
     try:
         os.rename(work, folder)
@@ -136,7 +130,7 @@ def ingest(
         tokenizer_path=tokenizer_path,
     )
     folder = cache / key
-    if (folder / META_FILE).exists():
+    if (folder / INGEST_RECORD).exists():
         rows = open_ingested(folder)
         log(f"ingest: reading the tokenised rows of {data.path} from {folder} ({rows.num_rows:,} rows)")
         return rows

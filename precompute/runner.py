@@ -25,7 +25,7 @@ from mopd.config.parallel import ParallelConfig
 from mopd.config.precompute import PrecomputeConfig
 from mopd.precompute.backends import HiddenStateSource, TeacherModel, load_teacher
 from mopd.precompute.data import TokenizedRows
-from mopd.precompute.ingest import INGEST_DIR, ingest
+from mopd.precompute.ingest import ingest
 from mopd.precompute.output_layer import resolve_dtype
 from mopd.precompute.outputs import NoOutput, Output, StoreOutput
 from mopd.precompute.progress import TokenProgress
@@ -42,6 +42,7 @@ from mopd.store.manifest import (
     TeacherInfo,
     TokenizerInfo,
 )
+from mopd.store.provenance import INGEST_DIR
 from mopd.store.writer import StoreWriter
 
 if TYPE_CHECKING:

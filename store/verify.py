@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from mopd.base.completion import check_complete
 from mopd.base.errors import ConfigError, MopdError
@@ -300,16 +301,60 @@ def check_config(manifest: Manifest, teachers: Mapping[str, str]) -> tuple[list[
     return problems, warnings
 
 
+def check_routing(manifest: Manifest, routing: Mapping[str, Any], teachers: Mapping[str, str]) -> list[str]:
+    """The config's routing (its `routing` section as a mapping, over its `teachers`) sends every agent
+    to the teacher the store's rows were routed to; renaming an alias on both sides changes nothing.
+    A store that recorded no routing (a synthetic one) is not compared.
+
+    Returns:
+        One line per difference, naming the config key and both values.
+    """
+    stored = manifest.config.get("routing")
+    if stored is None:
+        return []
+    sides = (
+        ({alias: t.index for t in manifest.teachers for alias in t.aliases}, stored),
+        ({alias: s.index for s in assign_teacher_indices(teachers) for alias in s.aliases}, routing),
+    )
+
+    def resolve(side: int, alias: str | None) -> tuple[int | None, str]:
+        """(teacher index, how to show it) of an alias on one side: the store (0) or the config (1)."""
+        index = sides[side][0].get(alias) if alias is not None else None
+        return index, ("none" if alias is None else f"teacher {index} (alias {alias!r})")
+
+    def routed(side: int) -> dict[str, str]:
+        index, section = sides[side]
+        return dict(section.get("teacher_by_agent") or {alias: alias for alias in index})
+
+    problems = []
+    if stored.get("field") != routing.get("field"):
+        problems.append(
+            f"routing.field: {stored.get('field')!r} in the store, {routing.get('field')!r} in the config"
+        )
+    old_agents, new_agents = routed(0), routed(1)
+    pairs = [
+        (f"teacher_by_agent.{agent}", old_agents.get(agent), new_agents.get(agent))
+        for agent in sorted(set(old_agents) | set(new_agents))
+    ]
+    pairs.append(("default_teacher", stored.get("default_teacher"), routing.get("default_teacher")))
+    for key, old_alias, new_alias in pairs:
+        (old, old_text), (new, new_text) = resolve(0, old_alias), resolve(1, new_alias)
+        if old != new or (old_alias is None) != (new_alias is None):
+            problems.append(f"routing.{key}: {old_text} in the store, {new_text} in the config")
+    return problems
+
+
 def verify_store(
     root: str | Path,
     *,
     teachers: Mapping[str, str] | None = None,
+    routing: Mapping[str, Any] | None = None,
     checkpoint: str | Path | None = None,
     full: bool = False,
     threads: int | None = None,
 ) -> tuple[list[str], list[str]]:
-    """Checks a store, and optionally a config's teachers (alias → checkpoint) and a training checkpoint
-    against it.
+    """Checks a store, and optionally a config's teachers (alias → checkpoint) and routing (its `routing`
+    section as a mapping) and a training checkpoint against it.
 
     Returns:
         (problems, warnings): each one line; the store is sound and agrees when `problems` is empty.
@@ -326,6 +371,8 @@ def verify_store(
         found, config_warnings = check_config(manifest, teachers)
         problems += found
         warnings += config_warnings
+        if routing is not None:
+            problems += check_routing(manifest, routing, teachers)
     if checkpoint is not None:
         problems += check_checkpoint(Path(checkpoint), manifest)
     return problems, warnings

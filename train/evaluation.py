@@ -12,6 +12,7 @@ from mopd.train.checkpoint import load_weights
 from mopd.train.metrics import EvalRecord
 from mopd.train.resume import init_checkpoint
 from mopd.train.session import Log, open_session
+from mopd.train.store_check import check_store
 
 
 def evaluate_student(config: MopdConfig, *, store_path: str | Path, log: Log = print) -> EvalRecord:
@@ -21,6 +22,7 @@ def evaluate_student(config: MopdConfig, *, store_path: str | Path, log: Log = p
     Builds a session only: no optimiser, no data order, no optimiser state loaded.
     """
     with open_session(config, store_path=store_path, log=log) as session:
+        check_store(config, session.store.manifest, session.store.root, world=session.world, log=session.log)
         init = session.config.init_from
         if init is not None:
             found = init_checkpoint(init, layout=session.student.layout, world=session.world)

@@ -53,6 +53,7 @@ from mopd.train.objective import Objective, StepStats
 from mopd.train.resume import RunIdentity, init_checkpoint, resume_checkpoint
 from mopd.train.run_record import run_record
 from mopd.train.session import Log, open_session
+from mopd.train.store_check import check_store
 from mopd.train.student import TrainStudent
 
 
@@ -294,6 +295,7 @@ class Trainer:
 
     def _run(self, resume: bool | None, max_steps: int | None) -> TrainResult:
         point = self._resume_point(resume)
+        check_store(self.config, self.store.manifest, self.store.root, world=self.world, log=self.log)
         if point is None:
             self.start_from()
         first = (point.step if point else 0) + 1

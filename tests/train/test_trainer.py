@@ -59,6 +59,7 @@ def test_self_distillation_starts_at_zero_divergence(world: World, tmp_path: Pat
         tmp_path,
         store=world.self_store,
         teachers={"math": world.teachers["math"]},
+        routing={"default_teacher": "math"},  # as the store was built
         student=world.teachers["math"],
     )
     first = train(config, max_steps=1).records[0]

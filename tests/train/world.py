@@ -114,6 +114,7 @@ def world_config(
     store: Path | None = None,
     teachers: dict[str, Path] | None = None,
     student: Path | None = None,
+    routing: dict[str, Any] | None = None,
     **train: Any,
 ) -> MopdConfig:
     """The world's config (both teachers, all rows) with train overrides, loaded."""
@@ -124,6 +125,7 @@ def world_config(
             data=world.data,
             store=store or world.store,
             student=student or world.student,
+            routing=routing,
             **train,
         )
     )
