@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError, model_validator
 
+from mopd.base.errors import ConfigError
 from mopd.base.section import Section
 from mopd.config.parallel import ParallelConfig
 
@@ -41,3 +42,29 @@ class PrecomputeConfig(Section):
     trust_remote_code: bool = False
     # Teacher tensor/pipeline parallelism (megatron backend, under torchrun).
     parallel: ParallelConfig = ParallelConfig()
+
+    @model_validator(mode="after")
+    def _model_parallelism_needs_megatron(self) -> PrecomputeConfig:
+        tp, pp = self.parallel.tp, self.parallel.pp
+        if self.backend != "megatron" and tp * pp > 1:
+            raise ValueError(
+                f"precompute.parallel tp={tp} × pp={pp} needs the megatron backend (under torchrun); the "
+                f"{self.backend} backend runs each teacher whole in one process: set tp = pp = 1 or use "
+                "the megatron backend"
+            )
+        return self
+
+    def with_backend(self, backend: str | None) -> PrecomputeConfig:
+        """These settings with `backend` (the command line's `--backend`) in place of the config's.
+
+        Raises:
+            ConfigError: the settings do not hold for that backend.
+        """
+        if backend is None or backend == self.backend:
+            return self
+        try:
+            return PrecomputeConfig.model_validate({**self.model_dump(), "backend": backend})
+        except ValidationError as err:
+            raise ConfigError(
+                f"--backend {backend}: {err.errors()[0]['msg'].removeprefix('Value error, ')}"
+            ) from err

@@ -9,9 +9,12 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from mopd.base.section import Section
 from mopd.config.parallel import ParallelConfig
 
+# The divergences the fused kernel computes (train/divergence.py takes its list from here).
+DivergenceKind = Literal["reverse_kl", "forward_kl", "jsd", "cross_entropy", "entropy", "tvd"]
+
 
 class DivergenceConfig(Section):
-    kind: Literal["reverse_kl", "forward_kl", "jsd", "cross_entropy", "entropy", "tvd"] = "reverse_kl"
+    kind: DivergenceKind = "reverse_kl"
     beta: float = Field(0.5, ge=0.0, le=1.0)
     temperature: float = Field(1.0, gt=0.0)
     # Tokens per kernel chunk; "auto": the measured default of the device (train/divergence.py).

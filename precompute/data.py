@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 
 from mopd.base.errors import ConfigError
 from mopd.config.precompute import DataConfig, RoutingConfig
+from mopd.precompute.routing import route
 
 FORMATS = ("input_ids", "messages", "prompt+completion", "text")
 _ROWS_PER_PROCESS = 10_000  # fewer rows per process than this tokenise faster in one (process start-up)
@@ -271,32 +272,6 @@ def _tokenize_records(
         if mask.shape != ids.shape:
             raise ConfigError(f"loss_mask has {mask.shape[0]} entries for {ids.shape[0]} input_ids")
         out.append((ids, mask))
-    return out
-
-
-def route(
-    agents: Sequence[str],
-    routing: RoutingConfig,
-    agent_to_alias: Mapping[str, str],
-    alias_index: Mapping[str, int],
-    *,
-    row_ids: Sequence[int] | None = None,
-) -> np.ndarray:
-    """Teacher index per row: agent → alias → checkpoint index; unknown agents only with a default.
-
-    Raises:
-        ConfigError: naming the first unknown agent and its row (`row_ids[k]` for the k-th agent).
-    """
-    out = np.empty(len(agents), dtype=np.int64)
-    for k, agent in enumerate(agents):
-        alias = agent_to_alias.get(agent, routing.default_teacher)
-        if alias is None:
-            raise ConfigError(
-                f"row {row_ids[k] if row_ids is not None else k}: agent {agent!r} has no teacher "
-                f"(routing.teacher_by_agent knows {sorted(agent_to_alias)}); add it there or set "
-                "routing.default_teacher"
-            )
-        out[k] = alias_index[alias]
     return out
 
 

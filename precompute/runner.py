@@ -19,9 +19,7 @@ import numpy as np
 
 from mopd.base.batching import pack_batches, select_tasks
 from mopd.base.devices import rank_device, resolve_device
-from mopd.base.errors import ConfigError
 from mopd.config.mopd_config import MopdConfig
-from mopd.config.parallel import ParallelConfig
 from mopd.config.precompute import PrecomputeConfig
 from mopd.precompute.backends import HiddenStateSource, TeacherModel, load_teacher
 from mopd.precompute.data import TokenizedRows
@@ -130,15 +128,6 @@ def build_plan(
             },
         },
     )
-
-
-def check_backend(backend: str, parallel: ParallelConfig) -> None:
-    if backend != "megatron" and parallel.tp * parallel.pp > 1:
-        raise ConfigError(
-            f"precompute.parallel tp={parallel.tp} × pp={parallel.pp} needs the megatron backend (under "
-            f"torchrun); the {backend} backend runs each teacher whole in one process: set tp = pp = 1 or "
-            "use --backend megatron"
-        )
 
 
 def ingest_rows(
@@ -343,8 +332,8 @@ def run_precompute(
     run's store) or StoreIntegrityError (non-finite teacher outputs, a published task changed).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # mopd never downloads at run time
-    settings, backend = config.precompute, backend or config.precompute.backend
-    check_backend(backend, settings.parallel)
+    settings = config.precompute.with_backend(backend)
+    backend = settings.backend
     store, teachers = (
         Path(store_path or config.store.path),
         resolve_teachers(config.teachers, config.tokenizer),

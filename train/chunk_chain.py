@@ -173,7 +173,7 @@ COMPILED: dict[tuple[Any, ...], Any] = {}
 _log = logging.getLogger("mopd.divergence")
 
 
-def compiled_chain(chain: Any, key: tuple[Any, ...], scratch: list[torch.Tensor], *args: Any) -> Any:
+def cached_compile(chain: Any, key: tuple[Any, ...], scratch: list[torch.Tensor], *args: Any) -> Any:
     """`chain` compiled for calls like `chain(*args)`, proven on them first; None: run it eagerly.
 
     The proof runs the compiled chain once on `args` after zeroing `scratch` (the buffers the chain
@@ -213,7 +213,7 @@ def chunk_size_for(setting: int | str, device: torch.device) -> int:
     raise ValueError(f"chunk_size must be a positive number or auto, not {setting!r}")
 
 
-def compile_chain(setting: str, device: torch.device) -> bool:
+def should_compile(setting: str, device: torch.device) -> bool:
     """`train.divergence.compile` for `device`: 'on', 'off', or 'auto' (on CUDA only: on the CPU the
     GEMMs dominate a chunk and compiling costs every process tens of seconds; bench/README.md)."""
     if setting not in ("auto", "on", "off"):

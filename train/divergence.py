@@ -30,17 +30,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
 
+from mopd.config.train import DivergenceKind
 from mopd.store.transform import LogitTransform
 from mopd.train.chunk_chain import (
     NEEDS_P_T,
     all_reduce,
     block_rows,
-    compiled_chain,
+    cached_compile,
+    chunk_size_for,
     label_value_and_grad,
     shape_key,
     soft_in_blocks,
@@ -48,7 +50,7 @@ from mopd.train.chunk_chain import (
 )
 from mopd.train.gemm import mm, mm_add, native_gemms, operand, split_gradient
 
-KINDS = ("reverse_kl", "forward_kl", "jsd", "cross_entropy", "entropy", "tvd")
+KINDS: tuple[str, ...] = get_args(DivergenceKind)
 
 
 @dataclass(frozen=True)
@@ -246,7 +248,7 @@ class _SoftTargets(_ChunkObjective):
         scale = full["zs"].new_zeros(full["zs"].shape[0])
         args = (full, plan.valid, self.kind, self.beta, scale, None)
         key = (self.kind, self.beta, *shape_key(full["zs"]), plan.valid is not None)
-        self.chain = compiled_chain(soft_value_and_grad, key, list(full.values()), *args) if use else None
+        self.chain = cached_compile(soft_value_and_grad, key, list(full.values()), *args) if use else None
         # In cache-sized blocks on the CPU: without tensor parallelism, whose statistics would then take
         # a collective per block.
         on_cpu = full["zs"].device.type == "cpu"
@@ -265,7 +267,7 @@ class _HardLabels(_ChunkObjective):
         if plan.compiled and plan.group is None:
             local = torch.zeros(zs.shape[0], dtype=self.labels.dtype, device=zs.device)
             scale = zs.new_zeros(zs.shape[0])
-            self.chain = compiled_chain(
+            self.chain = cached_compile(
                 label_value_and_grad, ("labels", *shape_key(zs)), [zs], zs, local, scale, None
             )
 
@@ -370,7 +372,7 @@ def linear_divergence(
     beta: float = 0.5,
     temperature: float = 1.0,
     weights: torch.Tensor | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int | Literal["auto"] = "auto",
     tp_group: Any = None,
     vocab_start: int = 0,
     vocab_size: int | None = None,
@@ -390,13 +392,15 @@ def linear_divergence(
         kind: reverse_kl, forward_kl, jsd (with `beta`), cross_entropy, entropy or tvd.
         temperature: divides both sides' logits (after the teacher's transform).
         weights: [N] loss mask × normaliser; default 1/N.
-        chunk_size: tokens per chunk; peak extra memory is O(chunk_size × V_local + N × Hs).
+        chunk_size: tokens per chunk; peak extra memory is O(chunk_size × V_local + N × Hs). "auto":
+            the device's measured default, as for `train.divergence.chunk_size: auto`
+            (`chunk_chain.chunk_size_for`).
         tp_group: tensor-parallel process group over which the vocabulary is split (None: not split).
         vocab_start: first global vocabulary id of this rank's slice.
         vocab_size: global vocabulary size; columns at or past it are padding and excluded.
         teacher_transforms: {teacher: LogitTransform} logit scale / softcap per teacher.
         compiled: run each chunk's statistics, value and gradient as one compiled function (see
-            `chunk_chain.compile_chain`); without a tensor-parallel group only, eager otherwise.
+            `chunk_chain.should_compile`); without a tensor-parallel group only, eager otherwise.
 
     Returns:
         DivergenceOutput(loss with gradients to student_hidden and student_head, per_token values [N]).
@@ -409,9 +413,10 @@ def linear_divergence(
     teacher_index, rows = _check_inputs(
         student_hidden, student_head, teacher_hidden, teacher_heads, teacher_index, kind
     )
-    if chunk_size <= 0 or temperature <= 0:
-        raise ValueError(f"chunk_size and temperature must be positive, got {chunk_size}, {temperature}")
     device = student_hidden.device
+    chunk = chunk_size_for(chunk_size, device)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
     num_tokens, local_vocab = student_hidden.shape[0], student_head.shape[0]
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     vocab_size = local_vocab * tp_size if vocab_size is None else vocab_size
@@ -437,7 +442,7 @@ def linear_divergence(
         order=order,
         weights=weights.detach().float(),
         temperature=float(temperature),
-        chunk_size=int(chunk_size),
+        chunk_size=chunk,
         valid=valid,
         group=tp_group,
         native=native,
@@ -454,7 +459,7 @@ def linear_cross_entropy(
     *,
     weights: torch.Tensor | None = None,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int | Literal["auto"] = "auto",
     tp_group: Any = None,
     vocab_start: int = 0,
     vocab_size: int | None = None,
@@ -486,7 +491,7 @@ def linear_cross_entropy(
         order=None,
         weights=torch.where(labels < 0, 0.0, weights.detach().float()),
         temperature=float(temperature),
-        chunk_size=int(chunk_size),
+        chunk_size=chunk_size_for(chunk_size, device),
         valid=valid,
         group=tp_group,
         native=native_gemms(device),

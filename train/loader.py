@@ -67,17 +67,17 @@ class Step:
 
 
 def read_microbatches(
-    store: TeacherStore, microbatch_rows: list[np.ndarray], *, teacher_hidden: bool = True
+    store: TeacherStore, microbatch_rows: list[np.ndarray], *, with_teacher_states: bool = True
 ) -> list[MicroBatch]:
     """Reads a step's microbatches (tokens, masks, teacher index, hidden states at trained positions).
 
     The step's rows are read in one batched call per array, so every stored chunk they touch is
-    decoded once however the rows fall into microbatches. Without `teacher_hidden` (a pipeline stage
+    decoded once however the rows fall into microbatches. Without `with_teacher_states` (a pipeline stage
     that computes no loss) the teacher states are not read.
     """
     every = np.concatenate(microbatch_rows).astype(np.int64)
     stored = store.rows(every)
-    trained = np.array([teacher_hidden and bool(row.loss_mask.any()) for row in stored], dtype=bool)
+    trained = np.array([with_teacher_states and bool(row.loss_mask.any()) for row in stored], dtype=bool)
     states = store.hiddens(every[trained]) if trained.any() else []
     hidden_of = dict(zip(np.flatnonzero(trained).tolist(), states, strict=True))
     out, at = [], 0
@@ -127,7 +127,7 @@ class StoreLoader:
         seed, micro_batch_tokens, global_batch_tokens: the data order (see `data_order`).
         dp_rank, dp_size: this rank's place in the data-parallel group.
         prefetch: steps read ahead.
-        teacher_hidden: read the teacher hidden states (only ranks that compute the loss need them).
+        with_teacher_states: read the teacher hidden states (only ranks that compute the loss need them).
     """
 
     def __init__(
@@ -140,7 +140,7 @@ class StoreLoader:
         dp_rank: int = 0,
         dp_size: int = 1,
         prefetch: int = 2,
-        teacher_hidden: bool = True,
+        with_teacher_states: bool = True,
     ) -> None:
         if rows.shape[0] == 0:
             raise ValueError("no rows to train on")
@@ -151,7 +151,7 @@ class StoreLoader:
         self.global_batch_tokens = global_batch_tokens
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.prefetch = prefetch
-        self.teacher_hidden = teacher_hidden
+        self.with_teacher_states = with_teacher_states
 
     def _plan(self, state: LoaderState) -> Iterator[tuple[list[np.ndarray], LoaderState]]:
         epoch, position = state.epoch, state.step_in_epoch
@@ -179,7 +179,9 @@ class StoreLoader:
         def produce() -> None:
             try:
                 for micro_rows, after in self._plan(state):
-                    read = read_microbatches(self.store, micro_rows, teacher_hidden=self.teacher_hidden)
+                    read = read_microbatches(
+                        self.store, micro_rows, with_teacher_states=self.with_teacher_states
+                    )
                     step = Step(read, after)
                     while not stop.is_set():
                         try:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from mopd.base.errors import ConfigError
 from mopd.config.train import DivergenceConfig
 from mopd.store.manifest import Manifest
-from mopd.train.chunk_chain import chunk_size_for, compile_chain
+from mopd.train.chunk_chain import chunk_size_for, should_compile
 from mopd.train.distributed import RankGroup
 from mopd.train.divergence import linear_cross_entropy, linear_divergence
 from mopd.train.heads import TeacherHeads
@@ -58,8 +58,12 @@ class Objective:
         vocab_size: int,
         student: TrainStudent,
         vocab_slice: tuple[int, int],
+        device: torch.device,
     ) -> None:
         self.cfg, self.heads, self.vocab_size = cfg, heads, vocab_size
+        # The config's "auto" settings, resolved once for the device the student computes on.
+        self.chunk_size = chunk_size_for(cfg.chunk_size, device)
+        self.compiled = should_compile(cfg.compile, device)
         # This rank's vocabulary shard of the student's output layer and of every teacher head: the
         # rows [start, stop) of the distilled vocabulary (see train/vocabulary.py); the kernels mask any
         # column at or past `vocab_size`, and an hf student's padding rows past it are cut off here.
@@ -77,15 +81,13 @@ class Objective:
         cfg = self.cfg
         head = head[: self.local_rows]
         weights_N = norm_N * self.weight_of[mb.teacher_index].to(norm_N.device)
-        compiled = compile_chain(cfg.compile, hidden_NH.device)
-        chunk_size = chunk_size_for(cfg.chunk_size, hidden_NH.device)
         options = dict(
             kind=cfg.kind,
             beta=cfg.beta,
             temperature=cfg.temperature,
-            chunk_size=chunk_size,
+            chunk_size=self.chunk_size,
             teacher_transforms=self.heads.transforms,
-            compiled=compiled,
+            compiled=self.compiled,
             **self.shard,
         )
         if self.heads.all_on_device:
@@ -122,8 +124,8 @@ class Objective:
                 head,
                 mb.labels,
                 weights=norm_N,
-                chunk_size=chunk_size,
-                compiled=compiled,
+                chunk_size=self.chunk_size,
+                compiled=self.compiled,
                 **self.shard,
             )
             loss = loss + cfg.ce_weight * ce.loss

@@ -106,7 +106,7 @@ class Session:
                 dp_size=self.replicas.size,
                 micro_batch_tokens=self.config.batch.micro_batch_tokens,
             ),
-            teacher_hidden=self.student.holds_loss,
+            with_teacher_states=self.student.holds_loss,
         )
         zero = lambda mb: torch.zeros(mb.num_trained, device=self.device)  # noqa: E731
         self.student.forward_backward(microbatches, self.loss_fn(stats, zero, train=False), forward_only=True)
@@ -158,6 +158,7 @@ def open_session(config: MopdConfig, *, store_path: str | Path | None = None, lo
             vocab_size,
             student,
             vocab_slice=(vocab_start, vocab_stop),
+            device=device,
         )
         heads_by_rank = _account_heads(tc, heads, world, device, log)
         session = Session(

@@ -130,7 +130,7 @@ class Trainer:
             dp_rank=session.replicas.rank,
             dp_size=session.replicas.size,
             prefetch=tc.prefetch,
-            teacher_hidden=self.student.holds_loss,
+            with_teacher_states=self.student.holds_loss,
         )
         self.optimizer = torch.optim.AdamW(
             self.student.parameters(), lr=tc.optim.lr, weight_decay=tc.optim.weight_decay

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mopd.train import chunk_chain
-from mopd.train.chunk_chain import compile_chain
+from mopd.train.chunk_chain import chunk_size_for, should_compile
 from mopd.train.divergence import KINDS, linear_cross_entropy, linear_divergence
 from tests.tolerance import LAMBDA, U, assert_close
 from tests.train.divergence_cases import make_case
@@ -62,10 +62,10 @@ def test_a_chain_that_does_not_compile_runs_eagerly_said_once(
 
 def test_compile_setting() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert [compile_chain(s, cpu) for s in ("auto", "on", "off")] == [False, True, False]
-    assert [compile_chain(s, cuda) for s in ("auto", "on", "off")] == [True, True, False]
+    assert [should_compile(s, cpu) for s in ("auto", "on", "off")] == [False, True, False]
+    assert [should_compile(s, cuda) for s in ("auto", "on", "off")] == [True, True, False]
     with pytest.raises(ValueError, match="auto, on or off"):
-        compile_chain("yes", cpu)
+        should_compile("yes", cpu)
 
 
 def test_the_compiled_hard_label_chain_matches_the_eager_one() -> None:
@@ -93,7 +93,7 @@ def test_the_compiled_hard_label_chain_matches_the_eager_one() -> None:
 
 def test_chunk_size_setting() -> None:
     from mopd.config.train import DivergenceConfig
-    from mopd.train.chunk_chain import AUTO_CHUNK, chunk_size_for
+    from mopd.train.chunk_chain import AUTO_CHUNK
 
     assert DivergenceConfig().chunk_size == "auto"
     assert chunk_size_for("auto", torch.device("cpu")) == AUTO_CHUNK["cpu"]
@@ -102,6 +102,24 @@ def test_chunk_size_setting() -> None:
     for bad in (0, -4, "big"):
         with pytest.raises(ValueError):
             DivergenceConfig(chunk_size=bad)  # type: ignore[arg-type]
+
+
+def test_the_api_and_the_trainer_share_one_chunk_rule() -> None:
+    """`linear_divergence` and `linear_cross_entropy` default to the trainer's `auto`, resolved by the
+    same rule (`chunk_size_for`), and refuse a chunk the config would refuse."""
+    import inspect
+
+    from mopd.config.train import DivergenceConfig
+
+    for api in (linear_divergence, linear_cross_entropy):
+        assert inspect.signature(api).parameters["chunk_size"].default == DivergenceConfig().chunk_size
+    case = make_case(num_tokens=N, vocab=VOCAB, seed=7)
+    auto = run_fused(case, kind="reverse_kl", chunk="auto")
+    chosen = run_fused(case, kind="reverse_kl", chunk=chunk_size_for("auto", torch.device("cpu")))
+    for a, c in zip(auto, chosen, strict=True):
+        assert torch.equal(a, c)  # the same chunks, so the same sums in the same order
+    with pytest.raises(ValueError, match="chunk_size must be a positive number or auto"):
+        run_fused(case, kind="reverse_kl", chunk=0)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -54,7 +54,7 @@ def test_a_stage_without_the_loss_reads_no_teacher_states(
     rows = np.array([5, 2, 9])
     full = read_microbatches(store, [rows])[0]
     monkeypatch.setattr(store, "hiddens", lambda rows: pytest.fail(f"read teacher states of rows {rows}"))
-    bare = read_microbatches(store, [rows], teacher_hidden=False)[0]
+    bare = read_microbatches(store, [rows], with_teacher_states=False)[0]
     assert bare.teacher_hidden == {}
     for name in ("input_ids", "attention_mask", "loss_mask", "teacher_index", "token_row", "labels"):
         assert torch.equal(getattr(bare, name), getattr(full, name)), name
