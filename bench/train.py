@@ -84,7 +84,7 @@ def _eager_objective(trainer: Any) -> Any:
 def run_variant(variant: str, config: Path) -> dict[str, float]:
     from mopd.config.mopd_config import load_config
     from mopd.train.data_order import LoaderState
-    from mopd.train.loader import read_microbatch
+    from mopd.train.loader import read_microbatches
     from mopd.train.trainer import Trainer
 
     loaded = load_config(config)
@@ -93,7 +93,7 @@ def run_variant(variant: str, config: Path) -> dict[str, float]:
         loaded = loaded.model_copy(update={"train": loaded.train.model_copy(update={"backend": "megatron"})})
     trainer = Trainer(loaded, output=config.parent / f"run-{variant}", log=lambda _l: None)
     if variant == "eager":
-        trainer.objective = _eager_objective(trainer)
+        trainer.session.objective = _eager_objective(trainer)
     steps = trainer.loader.steps(LoaderState(0))
     warm = next(steps)
     trainer.train_step(1, warm)
@@ -101,8 +101,7 @@ def run_variant(variant: str, config: Path) -> dict[str, float]:
     batch = next(steps)  # read ahead in the background thread while step 1 ran
     wait = time.perf_counter() - start
     start = time.perf_counter()
-    for mb in batch.microbatches:
-        read_microbatch(trainer.store, mb.rows)
+    read_microbatches(trainer.store, [mb.rows for mb in batch.microbatches])
     read = time.perf_counter() - start
     reset_peak()
     before = rss_bytes("VmRSS")
@@ -110,7 +109,7 @@ def run_variant(variant: str, config: Path) -> dict[str, float]:
     record = trainer.train_step(2, batch)
     seconds = time.perf_counter() - start
     steps.close()
-    trainer.student.close()
+    trainer.close()
     return {
         "seconds": seconds,
         "peak_bytes": rss_bytes("VmHWM") - before,

@@ -25,7 +25,6 @@ import torch
 
 from mopd.base.errors import ConfigError, MopdError
 from mopd.config.mopd_config import MopdConfig
-from mopd.store.reader import TeacherStore
 from mopd.train.checkpoint import (
     ResumePoint,
     complete_checkpoints,
@@ -34,8 +33,6 @@ from mopd.train.checkpoint import (
     save_checkpoint,
 )
 from mopd.train.data_order import LoaderState
-from mopd.train.distributed import RankGroup
-from mopd.train.heads import TeacherHeads
 from mopd.train.loader import MicroBatch, Step, StoreLoader
 from mopd.train.metrics import (
     PLOT_FILE,
@@ -49,12 +46,11 @@ from mopd.train.metrics import (
     plot_metrics,
     step_line,
 )
-from mopd.train.objective import Objective, StepStats
+from mopd.train.objective import StepStats
 from mopd.train.resume import RunIdentity, init_checkpoint, resume_checkpoint
 from mopd.train.run_record import run_record
 from mopd.train.session import Log, open_session
 from mopd.train.store_check import check_store
-from mopd.train.student import TrainStudent
 
 
 class NonFiniteError(MopdError):
@@ -116,6 +112,9 @@ class Trainer:
     def _prepare(self, config: MopdConfig, output: str | Path | None) -> None:
         """The data order, the optimiser and the schedule, over the session's student and store."""
         session = self.session
+        # The session's parts the loop uses, and a caller of the trainer (a test, a benchmark) reads.
+        self.store, self.student, self.world = session.store, session.student, session.world
+        self.objective, self.heads = session.objective, session.heads
         self.config = config
         self.tc = tc = session.config
         self.log = session.log
@@ -144,27 +143,6 @@ class Trainer:
             run=run_record(tc, self.store.manifest, data_parallel_size=session.replicas.size),
             layout=self.student.layout,
         )
-
-    # The parts of the session a caller of the trainer (a test, a benchmark) looks at.
-    @property
-    def store(self) -> TeacherStore:
-        return self.session.store
-
-    @property
-    def student(self) -> TrainStudent:
-        return self.session.student
-
-    @property
-    def objective(self) -> Objective:
-        return self.session.objective
-
-    @property
-    def heads(self) -> TeacherHeads:
-        return self.session.heads
-
-    @property
-    def world(self) -> RankGroup:
-        return self.session.world
 
     def close(self) -> None:
         self.session.close()

@@ -41,10 +41,20 @@ def test_unknown_key_is_named(tmp_path: Path) -> None:
         load_config(write(tmp_path, BASE + "store: {dtpye: float32}\n"))
 
 
-def test_bad_value_is_named(tmp_path: Path) -> None:
-    text = BASE + "train: {student: s, optim: {lr: -1}}\n"
-    with pytest.raises(ConfigError, match=r"`train.optim.lr`: Input should be greater than 0"):
-        load_config(write(tmp_path, text))
+@pytest.mark.parametrize(
+    ("train", "message"),
+    [
+        ("{student: s, optim: {lr: -1}}", r"`train.optim.lr`: Input should be greater than 0"),
+        # tensor parallelism of an hf student: refused at load, not when the trainer starts
+        (
+            "{student: s, parallel: {tp: 2}}",
+            r"`train.parallel`: .*the hf backend trains with data parallelism",
+        ),
+    ],
+)
+def test_bad_value_is_named(tmp_path: Path, train: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, BASE + f"train: {train}\n"))
 
 
 def test_sequence_parallel_without_tensor_parallelism_is_named(tmp_path: Path) -> None:
@@ -54,12 +64,6 @@ def test_sequence_parallel_without_tensor_parallelism_is_named(tmp_path: Path) -
     text = BASE + "train: {student: s, backend: megatron, parallel: {tp: 2, sequence_parallel: true}}\n"
     ok = load_config(write(tmp_path, text))
     assert ok.train is not None and ok.train.parallel.sequence_parallel
-
-
-def test_tensor_parallelism_of_an_hf_student_is_refused_at_load(tmp_path: Path) -> None:
-    text = BASE + "train: {student: s, parallel: {tp: 2}}\n"
-    with pytest.raises(ConfigError, match=r"`train.parallel`: .*the hf backend trains with data parallelism"):
-        load_config(write(tmp_path, text))
 
 
 def test_routing_to_unknown_alias(tmp_path: Path) -> None:
