@@ -144,7 +144,14 @@ class Trainer:
             layout=self.student.layout,
         )
 
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
+        """Ends the session (its process groups); `run` does this when it returns or fails."""
         self.session.close()
 
     @property
@@ -334,6 +341,5 @@ def run_training(
     log: Log = print,
 ) -> TrainResult:
     """Builds the trainer and runs it (see `Trainer.run`)."""
-    return Trainer(config, store_path=store_path, output=output, log=log).run(
-        resume=resume, max_steps=max_steps
-    )
+    with Trainer(config, store_path=store_path, output=output, log=log) as trainer:
+        return trainer.run(resume=resume, max_steps=max_steps)
