@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field
 
 from mopd.base.errors import ConfigError
-from mopd.base.section import Section
+from mopd.base.section import Device, NonEmpty, Section
 from mopd.config.parallel import ParallelConfig
 
 
@@ -21,7 +21,7 @@ class RoutingConfig(Section):
 
 
 class DataConfig(Section):
-    path: str
+    path: NonEmpty
     max_length: int = Field(2048, gt=0)
     # Rows longer than max_length: cut to max_length ("truncate") or left out ("drop").
     overlong: Literal["truncate", "drop"] = "truncate"
@@ -34,7 +34,7 @@ class PrecomputeConfig(Section):
     backend: Literal["hf", "vllm", "megatron"] = "hf"
     # Padded tokens per forward batch (rows × longest row).
     batch_tokens: int = Field(16384, gt=0)
-    device: str = "auto"
+    device: Device = "auto"
     # Teacher compute dtype; auto = bfloat16 on GPU, float32 on CPU.
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Rows of one teacher per task (the unit of resumption and of splitting across jobs).
@@ -43,28 +43,20 @@ class PrecomputeConfig(Section):
     # Teacher tensor/pipeline parallelism (megatron backend, under torchrun).
     parallel: ParallelConfig = ParallelConfig()
 
-    @model_validator(mode="after")
-    def _model_parallelism_needs_megatron(self) -> PrecomputeConfig:
-        tp, pp = self.parallel.tp, self.parallel.pp
-        if self.backend != "megatron" and tp * pp > 1:
-            raise ValueError(
-                f"precompute.parallel tp={tp} × pp={pp} needs the megatron backend (under torchrun); the "
-                f"{self.backend} backend runs each teacher whole in one process: set tp = pp = 1 or use "
-                "the megatron backend"
-            )
-        return self
-
     def with_backend(self, backend: str | None) -> PrecomputeConfig:
-        """These settings with `backend` (the command line's `--backend`) in place of the config's.
+        """These settings for the backend that runs: `backend` (the command line's `--backend`), else
+        the config's own. The backend and the teacher parallelism are checked together here, not when the
+        config loads: `--backend megatron` may be what makes a config's `parallel` valid.
 
         Raises:
-            ConfigError: the settings do not hold for that backend.
+            ConfigError: tensor or pipeline parallelism for a backend other than megatron.
         """
-        if backend is None or backend == self.backend:
-            return self
-        try:
-            return PrecomputeConfig.model_validate({**self.model_dump(), "backend": backend})
-        except ValidationError as err:
+        settings = self if backend is None else self.model_copy(update={"backend": backend})
+        tp, pp = settings.parallel.tp, settings.parallel.pp
+        if settings.backend != "megatron" and tp * pp > 1:
             raise ConfigError(
-                f"--backend {backend}: {err.errors()[0]['msg'].removeprefix('Value error, ')}"
-            ) from err
+                f"precompute.parallel tp={tp} × pp={pp} needs the megatron backend (under torchrun); the "
+                f"{settings.backend} backend runs each teacher whole in one process: set tp = pp = 1 or use "
+                "--backend megatron"
+            )
+        return settings
