@@ -355,6 +355,7 @@ def one_size(work: Path, rows: int, tokens: int, teacher: Path, student: Path) -
             alias_index={"a": 0, "b": 0},
             tokenizer_path=str(teacher),
             load_tokenizer=lambda: load_tokenizer(str(teacher)),
+            contexts={},
             cache=cache,
             num_proc=loaded.data.num_proc or min(8, os.cpu_count() or 1),
             show_progress=False,

@@ -15,7 +15,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from mopd.base.errors import ConfigError
 from mopd.base.jsonio import check_unicode, decode_text, describe_location
-from mopd.base.section import Section
+from mopd.base.section import NonEmpty, Section
 from mopd.config.precompute import DataConfig, PrecomputeConfig, RoutingConfig
 from mopd.config.rollout import RolloutConfig, RoundsConfig
 from mopd.config.store import StoreConfig
@@ -23,8 +23,8 @@ from mopd.config.train import TrainConfig
 
 
 class MopdConfig(Section):
-    tokenizer: str | None = None
-    teachers: dict[str, str] = Field(min_length=1)
+    tokenizer: NonEmpty | None = None
+    teachers: dict[str, NonEmpty] = Field(min_length=1)
     routing: RoutingConfig = RoutingConfig()
     data: DataConfig
     store: StoreConfig = StoreConfig()
@@ -150,6 +150,8 @@ def _format_validation_error(err: ValidationError) -> str:
 
 def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     def as_path(value: str) -> str:
+        if not value:
+            return value  # refused by the field: an empty path would name the config's own folder
         path = base / Path(value).expanduser()
         try:
             return str(path.resolve())
@@ -165,7 +167,7 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     def as_checkpoint(value: str) -> str:
         # A checkpoint is a local folder when it exists or is written as a path; anything else
         # (e.g. "org/model") is kept as an identifier and normalised by `normalise_checkpoint`.
-        looks_like_path = value.startswith((".", "/", "~")) or exists(value)
+        looks_like_path = value.startswith((".", "/", "~")) or (value != "" and exists(value))
         return as_path(value) if looks_like_path else value
 
     out = dict(raw)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from mopd.base.section import Section
+from mopd.base.section import NonEmpty, Section
 
 
 class StoreConfig(Section):
-    path: str = "out/teachers.zarr"
+    path: NonEmpty = "out/teachers.zarr"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     codec: Literal["shuffle-zstd1", "none"] = "shuffle-zstd1"

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from mopd.base.section import Section
+from mopd.base.section import Device, NonEmpty, Section
 from mopd.config.parallel import ParallelConfig
 
 # The divergences the fused kernel computes (train/divergence.py takes its list from here).
@@ -66,12 +66,12 @@ class CheckpointConfig(Section):
 class InitFromConfig(Section):
     """A new run that starts from a training checkpoint's student (and optionally its optimizer state)."""
 
-    checkpoint: str
+    checkpoint: NonEmpty
     optimizer: bool = False
 
 
 class TrainConfig(Section):
-    student: str
+    student: NonEmpty
     # Start this (new) run from another run's checkpoint: its weights, and with optimizer: true its
     # AdamW moments; the data order, schedule and step count start afresh. Never a resume.
     init_from: InitFromConfig | None = None
@@ -83,8 +83,8 @@ class TrainConfig(Section):
     optim: OptimConfig = OptimConfig()
     batch: BatchConfig = BatchConfig()
     steps: int = Field(1000, gt=0)
-    seed: int = 0
-    device: str = "auto"
+    seed: int = Field(0, ge=0, lt=2**63)  # what torch.manual_seed and numpy's generators take
+    device: Device = "auto"
     # Student parameter dtype (AdamW state follows it).
     dtype: Literal["float32", "bfloat16"] = "float32"
     # The vocabulary distilled over; default the tokenizer's length as the store records it (see
@@ -93,7 +93,7 @@ class TrainConfig(Section):
     eval: EvalConfig = EvalConfig()
     # Steps the loader reads ahead of training, in a background thread (their rows stay in memory).
     prefetch: int = Field(2, ge=1)
-    output_dir: str = "out/run"
+    output_dir: NonEmpty = "out/run"
     checkpoint: CheckpointConfig = CheckpointConfig()
 
     @field_validator("parallel")

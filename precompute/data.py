@@ -110,6 +110,11 @@ class TokenizedRows:
         return int(self.lengths.shape[0])
 
     @property
+    def num_trained(self) -> int:
+        """Tokens whose next-token prediction is trained (loss_mask 1), over every row."""
+        return int(pc.sum(pc.list_flatten(self.table.column("loss_mask"))).as_py() or 0)
+
+    @property
     def agents(self) -> list[str]:
         return [str(a) for a in self.table.column("agent").to_pylist()]
 
@@ -242,10 +247,50 @@ def _tokenize_messages(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[
     return ids, next_token_mask(trained)
 
 
+def _given_ids(value: Any, row: int, vocab: int) -> np.ndarray:
+    """A row's `input_ids` as given, refused unless they are whole numbers in [0, vocab): a float
+    would be cut (70.5 → 70) and an id past the tokenizer is a token no teacher was ever trained on.
+
+    Raises:
+        ConfigError: naming the row and the first offending id.
+    """
+    try:
+        given = np.asarray(value if value is not None else [], dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ConfigError(f"row {row}: input_ids must be a list of token ids, got {value!r:.80}") from None
+    if given.ndim != 1:
+        raise ConfigError(f"row {row}: input_ids must be a flat list of token ids")
+    bad = np.flatnonzero((given != np.floor(given)) | (given < 0) | (given >= vocab))
+    if bad.size:
+        raise ConfigError(
+            f"row {row}: input_ids[{bad[0]}] = {given[bad[0]]:g} is not a token id of the tokenizer "
+            f"(whole numbers from 0 to {vocab - 1})"
+        )
+    return given.astype(np.int64)
+
+
+def _given_mask(value: Any, row: int, length: int) -> np.ndarray:
+    """A row's `loss_mask` as given: 0 or 1 for each of its `length` tokens.
+
+    Raises:
+        ConfigError: naming the row.
+    """
+    try:
+        mask = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ConfigError(f"row {row}: loss_mask must be a list of 0 and 1, got {value!r:.80}") from None
+    if mask.shape != (length,):
+        raise ConfigError(f"row {row}: loss_mask has {mask.size} entries for {length} input_ids")
+    if not np.isin(mask, (0, 1)).all():
+        raise ConfigError(f"row {row}: loss_mask holds {mask[~np.isin(mask, (0, 1))][0]:g}; it takes 0 and 1")
+    return mask.astype(np.uint8)
+
+
 def _tokenize_records(
-    batch: Mapping[str, list[Any]], input_format: str, tokenizer: Any
+    batch: Mapping[str, list[Any]], input_format: str, tokenizer: Any, indices: list[int]
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(token ids, loss mask) of every record of a batch; text is tokenised in one batched call."""
+    """(token ids, loss mask) of every record of a batch; text is tokenised in one batched call.
+    `indices` are the records' rows in the source, which errors name."""
     size = len(next(iter(batch.values())))
     if input_format == "text":
         encoded = tokenizer(batch["text"])["input_ids"]
@@ -262,16 +307,14 @@ def _tokenize_records(
     if input_format == "messages":
         return [_tokenize_messages(tokenizer, list(m)) for m in batch["messages"]]
     out = []
+    vocab = len(tokenizer)
     for k in range(size):
-        ids = np.asarray(batch["input_ids"][k], dtype=np.int64)
+        ids = _given_ids(batch["input_ids"][k], indices[k], vocab)
         given = batch["loss_mask"][k] if "loss_mask" in batch else None
         if given is None:
             out.append((ids, next_token_mask(np.ones_like(ids, dtype=np.uint8))))
             continue
-        mask = np.asarray(given, dtype=np.uint8)
-        if mask.shape != ids.shape:
-            raise ConfigError(f"loss_mask has {mask.shape[0]} entries for {ids.shape[0]} input_ids")
-        out.append((ids, mask))
+        out.append((ids, _given_mask(given, indices[k], ids.shape[0])))
     return out
 
 
@@ -306,31 +349,35 @@ def _tokenize_batch(
     routing: RoutingConfig,
     agent_to_alias: Mapping[str, str],
     alias_index: Mapping[str, int],
+    contexts: Mapping[int, int],
 ) -> dict[str, list[Any]]:
-    """One `datasets.map` batch: tokenise, apply the max_length policy (a dropped row is left out of
-    the output), route. `indices` are the rows' positions in the source, which errors name."""
+    """One `datasets.map` batch: tokenise, route, apply the length policy (a dropped row is left out of
+    the output). A row's limit is data.max_length, and its teacher's context where that is shorter:
+    the states a teacher computes past its context are not its distribution. `indices` are the rows'
+    positions in the source, which errors name."""
     out: dict[str, list[Any]] = {name: [] for name in ROW_FEATURES}
-    kept: list[int] = []
+    agents = [str(batch[routing.field][k]) if routing.field in batch else "" for k in range(len(indices))]
+    teachers = route(agents, routing, agent_to_alias, alias_index, row_ids=indices)
     for k, (i, (ids, mask)) in enumerate(
-        zip(indices, _tokenize_records(batch, input_format, tokenizer), strict=True)
+        zip(indices, _tokenize_records(batch, input_format, tokenizer, indices), strict=True)
     ):
         if ids.shape[0] == 0:
             raise ConfigError(f"row {i} tokenizes to no tokens")
-        truncated = ids.shape[0] > data.max_length
+        limit = min(data.max_length, contexts.get(int(teachers[k]), data.max_length))
+        truncated = ids.shape[0] > limit
         if truncated:
             if data.overlong == "drop":
                 continue
-            ids, mask = ids[: data.max_length], mask[: data.max_length].copy()
+            ids, mask = ids[:limit], mask[:limit].copy()
             mask[-1] = 0  # its next token was cut off
         key = batch["id"][k] if "id" in batch else None
         out["input_ids"].append(ids.astype(np.int32))
         out["loss_mask"].append(mask.astype(np.uint8))
-        out["agent"].append(str(batch[routing.field][k]) if routing.field in batch else "")
+        out["agent"].append(agents[k])
         key = str(key) if key is not None else hashlib.sha256(ids.tobytes()).hexdigest()[:16]
         out["source_key"].append(key)
         out["truncated"].append(truncated)
-        kept.append(i)
-    out["teacher_index"] = route(out["agent"], routing, agent_to_alias, alias_index, row_ids=kept).tolist()
+        out["teacher_index"].append(int(teachers[k]))
     return out
 
 
@@ -369,6 +416,7 @@ def tokenize_dataset(
     agent_to_alias: Mapping[str, str],
     alias_index: Mapping[str, int],
     tokenizer: Any,
+    contexts: Mapping[int, int] | None = None,
     num_proc: int | None = None,
     show_progress: bool = False,
     cache_file: Path | None = None,
@@ -376,6 +424,8 @@ def tokenize_dataset(
     """Tokenizes, applies the max_length policy and routes every row (a batched `datasets.map`).
 
     Args:
+        contexts: teacher index → its context (max_position_embeddings): rows routed to it are held to
+            it as to data.max_length (cut or dropped by data.overlong).
         num_proc: tokenising processes (None or 1: this one). The output's row order is the source's.
         cache_file: where `map` writes its Arrow output (None: memory, or datasets' own cache).
 
@@ -399,13 +449,14 @@ def tokenize_dataset(
         routing=routing,
         agent_to_alias=dict(agent_to_alias),
         alias_index=dict(alias_index),
+        contexts=dict(contexts or {}),
     )
     worth_it = num_proc is not None and num_proc > 1 and len(records) >= _ROWS_PER_PROCESS * num_proc
     mapped = _map_rows(records, tokenize, num_proc if worth_it else None, show_progress, cache_file)
     if len(mapped) == 0:
         raise ConfigError(
-            f"every row of {data.path} is longer than data.max_length={data.max_length} "
-            "and overlong: drop left none"
+            f"every row of {data.path} is longer than data.max_length={data.max_length} (or its "
+            "teacher's context) and overlong: drop left none"
         )
     table = mapped.data.table
     meta = {

@@ -49,6 +49,7 @@ def ingest_key(
     agent_to_alias: Mapping[str, str],
     alias_index: Mapping[str, int],
     tokenizer_path: str,
+    contexts: Mapping[int, int],
 ) -> tuple[str, dict[str, Any]]:
     """The cache key and what it hashes: everything that decides the tokenised rows."""
     source = Path(data.path)
@@ -61,6 +62,7 @@ def ingest_key(
         "routing_field": routing.field,
         "teacher_by_agent": {agent: alias_index[alias] for agent, alias in sorted(agent_to_alias.items())},
         "default_teacher": alias_index[routing.default_teacher] if routing.default_teacher else None,
+        "teacher_contexts": {str(t): n for t, n in sorted(contexts.items())},
     }
     return hashlib.sha256(canonical_json(inputs)).hexdigest()[:32], inputs
 
@@ -112,6 +114,7 @@ def ingest(
     alias_index: Mapping[str, int],
     tokenizer_path: str,
     load_tokenizer: Callable[[], Any],
+    contexts: Mapping[int, int],
     cache: Path,
     num_proc: int | None,
     show_progress: bool,
@@ -128,6 +131,7 @@ def ingest(
         agent_to_alias=agent_to_alias,
         alias_index=alias_index,
         tokenizer_path=tokenizer_path,
+        contexts=contexts,
     )
     folder = cache / key
     if (folder / INGEST_RECORD).exists():
@@ -147,6 +151,7 @@ def ingest(
             agent_to_alias=agent_to_alias,
             alias_index=alias_index,
             tokenizer=load_tokenizer(),
+            contexts=contexts,
             num_proc=num_proc,
             show_progress=show_progress,
             cache_file=work / "map.arrow",

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import numpy as np
 
 from mopd.base.batching import pack_batches, select_tasks
-from mopd.base.devices import rank_device, resolve_device
+from mopd.base.devices import check_device, rank_device, resolve_device
+from mopd.base.errors import ConfigError
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.precompute import PrecomputeConfig
 from mopd.precompute.backends import HiddenStateSource, TeacherModel, load_teacher
@@ -133,20 +134,32 @@ def build_plan(
 def ingest_rows(
     config: MopdConfig, teachers: TeacherSet, store: Path, *, show_progress: bool, log: Callable[[str], Any]
 ) -> TokenizedRows:
-    """The dataset's rows, tokenised and routed; the first job of a store ingests, later ones read."""
+    """The dataset's rows, tokenised and routed; the first job of a store ingests, later ones read.
+
+    Raises:
+        ConfigError: as `ingest`, or a dataset without a trained token.
+    """
     trust_remote_code = config.precompute.trust_remote_code
-    return ingest(
+    rows = ingest(
         data=config.data,
         routing=config.routing,
         agent_to_alias=config.agent_to_alias(),
         alias_index=teachers.alias_index,
         tokenizer_path=teachers.tokenizer_path,
+        contexts=teachers.contexts,
         load_tokenizer=lambda: load_tokenizer(teachers.tokenizer_path, trust_remote_code=trust_remote_code),
         cache=store / INGEST_DIR,
         num_proc=config.data.num_proc or min(8, os.cpu_count() or 1),
         show_progress=show_progress,
         log=log,
     )
+    if rows.num_trained == 0:
+        raise ConfigError(
+            f"data.path {config.data.path}: none of its {rows.num_rows} rows has a trained token (every "
+            "loss_mask is 0), so a store of it would distil nothing; mark the tokens to train with "
+            "loss_mask, or use prompt/completion or messages rows"
+        )
+    return rows
 
 
 def start_job(
@@ -334,6 +347,7 @@ def run_precompute(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # mopd never downloads at run time
     settings = config.precompute.with_backend(backend)
     backend = settings.backend
+    check_device(settings.device, key="precompute.device")
     store, teachers = (
         Path(store_path or config.store.path),
         resolve_teachers(config.teachers, config.tokenizer),

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mopd.base.errors import ConfigError
+from mopd.base.jsonio import parse_json
 from mopd.store.fingerprint import checkpoint_fingerprint, tokenizer_vocab, vocab_hash
 from mopd.store.teachers import TeacherSlot, alias_to_index, assign_teacher_indices
 
@@ -19,6 +20,7 @@ class TeacherSet:
     tokenizer_path: str
     vocab_hash: str
     vocab_size: int
+    contexts: dict[int, int]  # teacher index → its context (max_position_embeddings), where it says
 
     @property
     def alias_index(self) -> dict[str, int]:
@@ -58,7 +60,28 @@ def resolve_teachers(teachers: Mapping[str, str], tokenizer: str | None = None) 
         tokenizer_path=tokenizer_path,
         vocab_hash=expected,
         vocab_size=len(tokenizer_vocab(tokenizer_path)),
+        contexts={slot.index: n for slot in slots if (n := context_length(slot.checkpoint)) is not None},
     )
+
+
+# Where model configs state how many positions the model was built for.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def context_length(checkpoint: str) -> int | None:
+    """The positions a checkpoint's model was built for (its config.json), or None where it says none.
+
+    Raises:
+        ConfigError: config.json cannot be read.
+    """
+    path = Path(checkpoint) / "config.json"
+    try:
+        config = parse_json(path.read_bytes(), what=str(path), error=ConfigError)
+    except OSError as err:
+        raise ConfigError(f"{path} cannot be read ({err.strerror})") from err
+    config = {**config.get("text_config", {}), **config} if isinstance(config, dict) else {}
+    found = [config[key] for key in _CONTEXT_KEYS if isinstance(config.get(key), int) and config[key] > 0]
+    return int(found[0]) if found else None
 
 
 def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> Any:

@@ -125,6 +125,7 @@ def read_prompts(config: MopdConfig, rollout: RolloutConfig, tokenizer: Any, *, 
     prompts, dropped = [], 0
     digest = hashlib.sha256()
     for row, record in enumerate(records):
+        route = _route(record, field, config, path=path, row=row)
         ids = _tokenize(tokenizer, record, fmt, row)
         cut = len(ids) > room
         if cut and config.data.overlong == "drop":
@@ -144,7 +145,7 @@ def read_prompts(config: MopdConfig, rollout: RolloutConfig, tokenizer: Any, *, 
                 index=row,
                 key=key,
                 ids=ids,
-                route=str(record[field]) if field is not None else None,
+                route=route,
                 text=tokenizer.decode(ids, skip_special_tokens=False) if cut else record.get("prompt"),
                 messages=record.get("messages") if fmt == "messages" else None,
                 truncated=cut,
@@ -153,3 +154,30 @@ def read_prompts(config: MopdConfig, rollout: RolloutConfig, tokenizer: Any, *, 
     if not prompts:
         raise ConfigError(f"rollout.prompts {path}: no prompt is left (all {dropped} are over the limit)")
     return PromptSet(prompts, fmt, field, dropped, digest.hexdigest(), turn_end)
+
+
+def _route(
+    record: dict[str, Any], field: str | None, config: MopdConfig, *, path: str, row: int
+) -> str | None:
+    """The row's routing value, checked as precompute will route it: a sample whose agent has no
+    teacher would be written, then refused by precompute far from its cause.
+
+    Raises:
+        ConfigError: naming the row, when the value is missing or names no teacher and there is no
+            `routing.default_teacher`.
+    """
+    value = record.get(field) if field is not None else None
+    if config.routing.default_teacher is not None:
+        return None if value is None else str(value)
+    if value is None:
+        raise ConfigError(
+            f"rollout.prompts {path} row {row}: no value in the routing column {field!r}; add it, or set "
+            "routing.default_teacher"
+        )
+    known = config.agent_to_alias()
+    if str(value) not in known:
+        raise ConfigError(
+            f"rollout.prompts {path} row {row}: agent {str(value)!r} has no teacher "
+            f"(routing.teacher_by_agent knows {sorted(known)}); add it there or set routing.default_teacher"
+        )
+    return str(value)

@@ -14,7 +14,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from mopd.base.devices import resolve_device
+from mopd.base.devices import check_device, resolve_device
 from mopd.base.errors import ConfigError
 from mopd.config.rollout import RolloutConfig
 from mopd.precompute.output_layer import resolve_dtype
@@ -58,6 +58,7 @@ class HFSampler:
     ) -> None:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
+        check_device(rollout.device, key="rollout.device")
         self.device = resolve_device(rollout.device)
         dtype = resolve_dtype(rollout.dtype, self.device)
         try:
@@ -109,6 +110,7 @@ class VLLMSampler:
         from mopd.precompute.vllm_backend import import_vllm, kv_cache_bytes
 
         vllm = import_vllm("rollout.backend vllm")
+        check_device(rollout.device, key="rollout.device")
         device = resolve_device(rollout.device)
         dtype = resolve_dtype(rollout.dtype, device)
         # On a GPU vLLM takes its share of the device; on the CPU that share is of the machine's memory,

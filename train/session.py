@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mopd.base.devices import rank_device
+from mopd.base.devices import check_device, rank_device
 from mopd.base.errors import ConfigError
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.train import TrainConfig
@@ -126,6 +126,7 @@ def open_session(config: MopdConfig, *, store_path: str | Path | None = None, lo
         raise ConfigError("the config has no `train` section; add one (see DESIGN §9) to train")
     tc = config.train
     with ExitStack() as exits:
+        check_device(tc.device, key="train.device")
         device = rank_device(tc.device)
         world = exits.enter_context(RankGroup.from_environment(device))
         log = log if world.rank == 0 else _silent

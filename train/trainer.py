@@ -25,6 +25,7 @@ import torch
 
 from mopd.base.errors import ConfigError, MopdError
 from mopd.config.mopd_config import MopdConfig
+from mopd.config.train import BatchConfig
 from mopd.train.checkpoint import (
     ResumePoint,
     complete_checkpoints,
@@ -74,6 +75,25 @@ def held_out_rows(num_rows: int, count: int, seed: int) -> np.ndarray:
     if count >= num_rows:
         raise ConfigError(f"train.eval.rows: {count} held-out rows leave none of the {num_rows} to train")
     return np.sort(np.random.default_rng([seed, 1 << 20]).choice(num_rows, size=count, replace=False))
+
+
+def over_budget(batch: BatchConfig, longest: int) -> str | None:
+    """One warning line when a batch budget is smaller than the store's longest row: such a row is a
+    microbatch (or a step) of its own, over the budget, not cut or dropped."""
+    small = [
+        f"train.batch.{key} {budget}"
+        for key, budget in (
+            ("micro_batch_tokens", batch.micro_batch_tokens),
+            ("global_batch_tokens", batch.global_batch_tokens),
+        )
+        if budget < longest
+    ]
+    if not small:
+        return None
+    return (
+        f"warning: {' and '.join(small)} < the store's longest row ({longest} tokens): a row that long "
+        "makes a microbatch (or step) of its own, over the budget"
+    )
 
 
 def lr_factor(step: int, *, warmup: int, total: int) -> float:
@@ -131,6 +151,9 @@ class Trainer:
             prefetch=tc.prefetch,
             with_teacher_states=self.student.holds_loss,
         )
+        warning = over_budget(tc.batch, int(self.store.lengths.max(initial=0)))
+        if warning:
+            self.log(warning)
         self.optimizer = torch.optim.AdamW(
             self.student.parameters(), lr=tc.optim.lr, weight_decay=tc.optim.weight_decay
         )
@@ -198,13 +221,20 @@ class Trainer:
         tokens = sum(mb.num_tokens for mb in microbatches)
         counts = self.session.replicas.all_reduce(torch.tensor([trained, rows, tokens], dtype=torch.float64))
         denominator = counts[0] if self.tc.divergence.level == "token" else counts[1]
-        return max(float(denominator), 1.0), float(counts[2])
+        return float(denominator), float(counts[2])
 
     def train_step(self, step: int, batch: Step) -> StepOutcome:
         """Forward and backward of this replica's microbatches, gradient sum over the replicas, optimiser
         step."""
         self.optimizer.zero_grad(set_to_none=True)
         denominator, tokens = self._global_denominator(batch.microbatches)
+        if denominator == 0:  # every replica sees the same sum: all of them refuse
+            raise MopdError(
+                f"step {step}: none of its rows has a trained token (every loss_mask is 0), so there is "
+                "no gradient to take; the store's data has too few trained tokens for "
+                f"train.batch.global_batch_tokens {self.tc.batch.global_batch_tokens}: leave out rows "
+                "without any, or precompute rows whose loss_mask marks what to distil"
+            )
         stats = StepStats(self.session.num_teachers)
         norm_of = lambda mb: self._token_norm(mb, denominator)  # noqa: E731
         self.student.forward_backward(batch.microbatches, self.session.loss_fn(stats, norm_of, train=True))

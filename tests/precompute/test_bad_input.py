@@ -110,3 +110,71 @@ def test_task_index_usage_errors(tmp_path: Path, teachers: dict[str, Path]) -> N
     config = write_config(tmp_path, teachers, data=data)
     assert precompute(config, "--num-tasks", "3")[0] == 2
     assert precompute(config, "--num-tasks", "3", "--task-index", "3")[0] == 2
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (
+            [{"input_ids": [5, 6, 7]}, {"input_ids": [5, 70.5, 7]}],
+            "row 1: input_ids[1] = 70.5 is not a token id",
+        ),
+        ([{"input_ids": [5, -2, 7]}], "row 0: input_ids[1] = -2 is not a token id"),
+        (
+            [{"input_ids": [5, 6, 7]}, {"input_ids": [400, 6]}],
+            "row 1: input_ids[0] = 400 is not a token id of the tokenizer (whole numbers from 0 to 399)",
+        ),
+        ([{"input_ids": [5, 6], "loss_mask": [0, -1]}], "row 0: loss_mask holds -1; it takes 0 and 1"),
+        (
+            [{"input_ids": [5, 6], "loss_mask": [0, 1]}, {"input_ids": [5, 6, 7], "loss_mask": [1]}],
+            "row 1: loss_mask has 1 entries for 3 input_ids",
+        ),
+    ],
+)
+def test_given_ids_and_masks_are_checked(
+    tmp_path: Path, teachers: dict[str, Path], rows: list[dict], message: str
+) -> None:
+    """Rows given as ids are the teachers' tokens exactly: nothing is cut, wrapped or filled in."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"agent": "math", **row} for row in rows])
+    assert_refused(write_config(tmp_path, teachers, data=data), message)
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_rows_past_a_teachers_context_are_cut_or_dropped(
+    tmp_path: Path, teachers: dict[str, Path], overlong: str
+) -> None:
+    """A teacher built for 12 positions never sees a row longer than 12 tokens, whatever data.max_length
+    says: cut to 12 (its last prediction untrained) or left out; the other teacher's rows are held to
+    data.max_length only."""
+    from mopd.config.mopd_config import load_config
+    from mopd.precompute.runner import run_precompute
+    from mopd.store import open_store
+
+    short = save_teacher(
+        tmp_path / "short",
+        "llama",
+        hidden_size=64,
+        seed=9,
+        tokenizer=make_tokenizer(),
+        head_dim=32,
+        max_position_embeddings=12,
+    )
+    text = "def add_1(x, y): return x + y * 1 " * 3  # well over 12 tokens
+    rows = [{"agent": agent, "text": text} for agent in ("math", "code") * 3]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    config = write_config(tmp_path, {"math": teachers["math"], "code": short}, data=data)
+    config.write_text(config.read_text().replace("max_length: 96", f"max_length: 96\n  overlong: {overlong}"))
+    result = run_precompute(load_config(config), show_progress=False, log=lambda *_: None)
+    store = open_store(tmp_path / "store.zarr")
+    code = next(t.index for t in store.teachers if "code" in t.aliases)
+    by_teacher: dict[int, list[int]] = {}
+    for r in range(store.num_rows):
+        by_teacher.setdefault(int(store.row(r).teacher_index), []).append(r)
+    long_rows = [int(store.lengths[r]) for r in by_teacher[1 - code]]
+    assert len(long_rows) == 3 and min(long_rows) > 12  # data.max_length 96 holds them whole
+    if overlong == "truncate":
+        assert [int(store.lengths[r]) for r in by_teacher[code]] == [12, 12, 12]
+        assert all(int(store.row(r).loss_mask[-1]) == 0 for r in by_teacher[code])
+        assert result.num_truncated == 3
+    else:
+        assert code not in by_teacher and result.num_dropped == 3

@@ -169,6 +169,7 @@ def test_a_second_ingest_reads_the_first_ones_rows(tmp_path: Path, tokenizer) ->
             alias_index={"a": 0, "b": 1},
             tokenizer_path=str(tmp_path / "tok"),
             load_tokenizer=lambda: tokenizer if tokenize_ok else pytest.fail("tokenised again"),
+            contexts={},
             cache=tmp_path / "cache",
             num_proc=None,
             show_progress=False,

@@ -68,6 +68,19 @@ def test_bad_prompt_rows(models: Models, tmp_path: Path) -> None:
     no_route = [{"prompt": "What is 1 plus 2?"}]
     fails_with(rollout_config(tmp_path / "c", models, no_route), "has no routing column 'agent'")
     fails_with(rollout_config(tmp_path / "d", models, [{"id": "x", "agent": "math"}]), "hold no prompt")
+    # A routing column some rows lack, or whose agent no teacher serves: refused before any sampling.
+    unrouted = text_prompts(3)
+    del unrouted[2]["agent"]
+    fails_with(
+        rollout_config(tmp_path / "e", models, unrouted), "row 2: no value in the routing column 'agent'"
+    )
+    stray = text_prompts(3)
+    stray[1]["agent"] = "poetry"
+    fails_with(rollout_config(tmp_path / "f", models, stray), "row 1: agent 'poetry' has no teacher")
+    assert (
+        not (tmp_path / "e" / "samples.parquet").exists()
+        and not (tmp_path / "f" / "samples.parquet").exists()
+    )
 
 
 def test_a_student_of_another_vocabulary(models: Models, tmp_path: Path) -> None:
