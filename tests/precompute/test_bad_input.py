@@ -150,15 +150,8 @@ def test_rows_past_a_teachers_context_are_cut_or_dropped(
     from mopd.precompute.runner import run_precompute
     from mopd.store import open_store
 
-    short = save_teacher(
-        tmp_path / "short",
-        "llama",
-        hidden_size=64,
-        seed=9,
-        tokenizer=make_tokenizer(),
-        head_dim=32,
-        max_position_embeddings=12,
-    )
+    shape: dict = {"hidden_size": 64, "head_dim": 32, "max_position_embeddings": 12}
+    short = save_teacher(tmp_path / "short", "llama", seed=9, tokenizer=make_tokenizer(), **shape)
     text = "def add_1(x, y): return x + y * 1 " * 3  # well over 12 tokens
     rows = [{"agent": agent, "text": text} for agent in ("math", "code") * 3]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
