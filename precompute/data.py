@@ -286,12 +286,40 @@ def _given_mask(value: Any, row: int, length: int) -> np.ndarray:
     return mask.astype(np.uint8)
 
 
+# The columns each row of a format must hold as strings (a messages row: a list of turns).
+_TEXT_COLUMNS = {"text": ("text",), "prompt+completion": ("prompt", "completion")}
+
+
+def _check_row_format(batch: Mapping[str, list[Any]], input_format: str, indices: list[int]) -> None:
+    """Every row holds its format's columns: a dataset is one format, and a row of another (or with a
+    null) would otherwise reach the tokenizer as None.
+
+    Raises:
+        ConfigError: naming the row, the column and the format.
+    """
+    for column in _TEXT_COLUMNS.get(input_format, ()):
+        for k, value in enumerate(batch[column]):
+            if not isinstance(value, str):
+                raise ConfigError(
+                    f"row {indices[k]}: {column} is {value!r:.40}, not text; every row of a {input_format} "
+                    "dataset needs it (one row format per dataset)"
+                )
+    if input_format == "messages":
+        for k, value in enumerate(batch["messages"]):
+            if not isinstance(value, list) or not value:
+                raise ConfigError(
+                    f"row {indices[k]}: messages is {value!r:.40}, not a list of turns; every row of a "
+                    "messages dataset needs one (one row format per dataset)"
+                )
+
+
 def _tokenize_records(
     batch: Mapping[str, list[Any]], input_format: str, tokenizer: Any, indices: list[int]
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """(token ids, loss mask) of every record of a batch; text is tokenised in one batched call.
     `indices` are the records' rows in the source, which errors name."""
     size = len(next(iter(batch.values())))
+    _check_row_format(batch, input_format, indices)
     if input_format == "text":
         encoded = tokenizer(batch["text"])["input_ids"]
         rows = [np.asarray(e, dtype=np.int64) for e in encoded]

@@ -171,3 +171,25 @@ def test_rows_past_a_teachers_context_are_cut_or_dropped(
         assert result.num_truncated == 3
     else:
         assert code not in by_teacher and result.num_dropped == 3
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([{"text": "a b"}, {"text": None}], "row 1: text is None, not text; every row of a text dataset"),
+        (
+            [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2="}],
+            "row 1: completion is None, not text; every row of a prompt+completion dataset",
+        ),
+        (
+            [{"prompt": "1+1=", "completion": "2"}, {"text": "plain"}],
+            "row 1: prompt is None, not text; every row of a prompt+completion dataset needs it",
+        ),
+        ([{"text": "a"}, {"text": 7}], "row 1: text is 7, not text"),
+    ],
+)
+def test_every_row_holds_its_formats_columns(
+    tmp_path: Path, teachers: dict[str, Path], rows: list[dict], message: str
+) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", [{"agent": "math", **row} for row in rows])
+    assert_refused(write_config(tmp_path, teachers, data=data), message)
