@@ -392,9 +392,8 @@ def linear_divergence(
         kind: reverse_kl, forward_kl, jsd (with `beta`), cross_entropy, entropy or tvd.
         temperature: divides both sides' logits (after the teacher's transform).
         weights: [N] loss mask × normaliser; default 1/N.
-        chunk_size: tokens per chunk; peak extra memory is O(chunk_size × V_local + N × Hs). "auto":
-            the device's measured default, as for `train.divergence.chunk_size: auto`
-            (`chunk_chain.chunk_size_for`).
+        chunk_size: tokens per chunk (peak extra memory O(chunk_size × V_local + N × Hs)); "auto": the
+            trainer's rule, `chunk_chain.chunk_size_for`.
         tp_group: tensor-parallel process group over which the vocabulary is split (None: not split).
         vocab_start: first global vocabulary id of this rank's slice.
         vocab_size: global vocabulary size; columns at or past it are padding and excluded.
