@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 from collections import Counter
 from collections.abc import Iterator
@@ -67,17 +68,32 @@ def _inject(op: str, path: object) -> None:
         raise OSError(code, f"{os.strerror(code)} (injected at {op} #{spec[2]})", str(path))
 
 
+# Libraries that wrap an OSError in their own exception say its number so (safetensors' Rust I/O).
+_WRAPPED_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
 @contextmanager
-def io(op: str, path: object) -> Iterator[None]:
+def io(op: str, path: object, *, unnamed_only: bool = False) -> Iterator[None]:
     """One file-system operation of the commit path; an OSError from it names the operation and path.
 
-    Also where MOPD_FAULT's injected errors come from.
+    An OSError a library wrapped in its own exception (safetensors' `SafetensorError`) is unwrapped
+    into one. With `unnamed_only`, an OSError that names its own file passes unchanged: for a block of
+    work whose buffered writes (arrow, datasets) fail without naming their file, among reads that name
+    theirs. Also where MOPD_FAULT's injected errors come from.
     """
     try:
         _inject(op, path)
         yield
     except OSError as err:
-        if err.strerror and err.strerror.startswith(f"{op} failed"):
+        if (err.strerror and err.strerror.startswith(f"{op} failed")) or (unnamed_only and err.filename):
             raise
         reason = err.strerror or str(err)
+        if err.errno and not reason.startswith(os.strerror(err.errno)):  # pyarrow's wordy own text
+            reason = os.strerror(err.errno)
         raise OSError(err.errno, f"{op} failed: {reason}", err.filename or str(path)) from err
+    except Exception as err:
+        found = _WRAPPED_OS_ERROR.search(str(err))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, f"{op} failed: {os.strerror(code)}", str(path)) from err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import platform
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,11 @@ from mopd.base import faults
 from mopd.base.errors import FilesystemError, ManifestError
 
 _HASH_BLOCK = 1 << 22
+# How a reader refuses a symbolic link inside a store ("<path>: " or "<path> is " before it).
+LINK_REFUSED = (
+    "a symbolic link, which a store never holds and mopd never follows; put the file itself there, or "
+    "rebuild the store"
+)
 
 
 def fsync_path(path: Path) -> None:
@@ -46,12 +52,35 @@ def fsync_tree(root: Path) -> None:
 
 
 def unique_temp_name(final: Path) -> Path:
-    """A sibling of `final` that no other writer can pick: `<name>.tmp-<uuid>`."""
-    return final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex}")
+    """A sibling of `final` that no other writer can pick: `<name>.tmp-<pid>@<host>-<uuid>`, which names
+    the process that owns it, so that a later job can tell a stopped job's leftover from a live one's."""
+    return final.with_name(f"{final.name}.tmp-{os.getpid()}@{platform.node()}-{uuid.uuid4().hex}")
 
 
 def is_temporary(name: str) -> bool:
     return ".tmp-" in name
+
+
+def temporary_owner(name: str) -> tuple[int, str] | None:
+    """(pid, host) of the process that made a temporary; None where its name does not say (an earlier
+    mopd's)."""
+    owner, _, _uuid = name.partition(".tmp-")[2].rpartition("-")
+    pid, at, host = owner.partition("@")
+    return (int(pid), host) if at and pid.isdigit() else None
+
+
+def owner_stopped(name: str) -> bool:
+    """The temporary's owner was a process of this host that no longer runs (so it is garbage)."""
+    owner = temporary_owner(name)
+    if owner is None or owner[1] != platform.node() or owner[0] == os.getpid():
+        return False
+    try:
+        os.kill(owner[0], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    return False
 
 
 def create_exclusive(path: Path, data: bytes, *, what: str = "record") -> bool:
@@ -174,10 +203,16 @@ def safe_join(root: Path, relative: str) -> Path:
 class SafePaths:
     """`safe_join` for many record paths under one root: the root is resolved once and each folder on
     the way is checked once (a store of 10k shards shares `teachers/<t>/shards`), one lstat per new
-    path component instead of a full `realpath` per path."""
+    path component instead of a full `realpath` per path.
 
-    def __init__(self, root: Path) -> None:
+    Args:
+        links: allow symbolic links that stay inside the root; readers of a store pass False, since a
+            store never holds one (the root itself may be a link).
+    """
+
+    def __init__(self, root: Path, *, links: bool = True) -> None:
         self.root = root
+        self._links = links
         self._real_root = os.path.realpath(root)
         self._checked: set[str] = set()
 
@@ -185,7 +220,7 @@ class SafePaths:
         """As `safe_join(root, relative)`.
 
         Raises:
-            ManifestError: as `safe_join`.
+            ManifestError: as `safe_join`, or a component is a link and `links` is False.
         """
         parts = relative.split("/")
         if relative.startswith(("/", "~")) or ".." in parts:
@@ -195,6 +230,8 @@ class SafePaths:
             if prefix in self._checked:
                 continue
             if os.path.islink(os.path.join(self.root, prefix)):
+                if not self._links:
+                    raise ManifestError(f"{prefix}: {LINK_REFUSED}")
                 safe_join(self.root, prefix)  # a link: allowed only while it stays inside the root
             self._checked.add(prefix)
         return self.root / relative

@@ -5,7 +5,10 @@ Writes a ragged bf16 payload ([262144, 2048] by default: 1 GiB) through the stor
 reads it back row by row through `open_store(...).hidden(i)`, and compares with the same bytes written
 to one raw file with fsync and read back. The same payload is also written by zarr-python into the same
 sharded layout, the general-purpose engine, and through the store without per-chunk checksums, which
-prices the crc32c that every read verifies. Prints a table and writes bench/results/store_io.json.
+prices the crc32c that every read verifies. The store is also read without binding its files to their
+part records (as format 3 read it: each chunk checked by its own crc32c only), in warm adjacent pairs
+with the bound read, which prices the binding (a recorded size and zarr.json hash per array, one list of
+chunk checksums per shard, 4 bytes compared per chunk). Prints a table and writes bench/results/store_io.json.
 
 The payload imitates final-norm hidden states: N(0, 1) values times a per-channel scale drawn from
 lognormal(0, 0.5) (the norm's weight), rounded to bf16.
@@ -33,8 +36,11 @@ from mopd.base.fsio import fsync_tree
 from mopd.precompute.runner import CHUNK_BYTES
 from mopd.store import open_store
 from mopd.store.arrays import storage_dtype
+from mopd.store.chunks import clear_cache
+from mopd.store.files import Recorded
 from mopd.store.layout import plan_tasks, shard_rows
 from mopd.store.manifest import DatasetInfo, Plan, ShardTask, StorageInfo, TeacherInfo, TokenizerInfo
+from mopd.store.reader import TeacherStore
 from mopd.store.tasks import HiddenShardWriter, write_lm_head, write_rows
 from mopd.store.writer import StoreWriter
 
@@ -132,12 +138,31 @@ def store_write(
     return elapsed
 
 
-def store_read(root: Path) -> tuple[float, bool]:
-    store = open_store(root)
+class UnboundStore(TeacherStore):
+    """The store read without its part records: every chunk checked by its own crc32c only."""
+
+    def _recorded(self, folder: str, name: str) -> Recorded | None:
+        return None
+
+
+def store_read(root: Path, *, bound: bool = True) -> tuple[float, bool]:
+    store = open_store(root) if bound else UnboundStore(root)
     start = time.perf_counter()
     for i in range(store.num_rows):
         store.hidden(i)
     return time.perf_counter() - start, True
+
+
+def binding_pairs(root: Path, pairs: int) -> dict[str, list[float]]:
+    """Seconds of whole reads of the store with and without binding, in adjacent pairs (alternating
+    which goes first) from a warm page cache: the binding adds CPU work only, which a cold read's disk
+    time would hide in its noise. Their ratio is taken pair by pair, so that drift cancels."""
+    times: dict[str, list[float]] = {"bound": [], "unbound": []}
+    for pair in range(pairs):
+        for bound in (True, False) if pair % 2 == 0 else (False, True):
+            clear_cache()
+            times["bound" if bound else "unbound"].append(store_read(root, bound=bound)[0])
+    return times
 
 
 def zarr_python_write(path: Path, data: np.ndarray) -> float:
@@ -168,6 +193,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--rows-per-task", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--binding-pairs", type=int, default=15)
     parser.add_argument("--workdir", type=Path, default=None, help="folder on the disk to measure")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "store_io.json")
     args = parser.parse_args()
@@ -193,6 +219,8 @@ def main() -> None:
             times["store_w"].append(store_write(store_root, hidden, lengths, args.rows_per_task))
             drop_page_cache()
             times["store_r"].append(store_read(store_root)[0])
+            if rep == args.repeats - 1:
+                binding = binding_pairs(store_root, args.binding_pairs)
             on_disk = stored_bytes(store_root, "teachers/0/shards")
             shutil.rmtree(store_root)
             plain_root = work / f"plain-{rep}.zarr"
@@ -209,6 +237,7 @@ def main() -> None:
     raw_write_s, raw_read_s, store_write_s, store_read_s, zarr_write_s, plain_write_s, plain_read_s = (
         min(times[k]) for k in keys
     )
+    binding_cost = float(np.median(np.array(binding["bound"]) / np.array(binding["unbound"]))) - 1
 
     gbs = lambda seconds: logical / seconds / 1e9  # noqa: E731
     result = {
@@ -241,7 +270,9 @@ def main() -> None:
             "store_vs_zarr_python_write": zarr_write_s / store_write_s,
             "checksum_read_cost": store_read_s / plain_read_s - 1,
             "checksum_write_cost": store_write_s / plain_write_s - 1,
+            "binding_read_cost": binding_cost,
         },
+        "binding_pairs_warm_s": binding,
         "store_without_checksums": {"write_s": plain_write_s, "read_s": plain_read_s},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -267,6 +298,9 @@ def main() -> None:
     print(
         f"crc32c checksums cost {result['ratios']['checksum_read_cost']:+.1%} of read time and "
         f"{result['ratios']['checksum_write_cost']:+.1%} of write time"
+    )
+    print(
+        f"binding files to their part records costs {result['ratios']['binding_read_cost']:+.1%} of read time"
     )
     print(f"wrote {args.out}")
 

@@ -6,7 +6,10 @@ traceback unless --debug); 2 usage error (click's own).
 
 from __future__ import annotations
 
+import errno
+import shutil
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -37,9 +40,18 @@ class _Group(click.Group):
 
 
 def describe_os_error(err: OSError) -> str:
-    """`<operation> failed: <reason>: <path>` (the commit path names its operation; see store/faults)."""
+    """`<operation> failed: <reason>: <path>` (the commit path names its operation; see base/faults),
+    and for a full disk the space left where the file was going."""
     reason = err.strerror or str(err)
-    return f"{reason}: {err.filename}" if err.filename else reason
+    if not err.filename:
+        return reason
+    line = f"{reason}: {err.filename}"
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        folder = Path(err.filename)
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        line += f" ({shutil.disk_usage(folder).free / 2**20:,.1f} MiB free on its filesystem)"
+    return line
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

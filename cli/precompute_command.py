@@ -75,4 +75,10 @@ def precompute_command(
             format_size(stats.bytes if stats else 0),
         )
     console.print(table)
-    console.print("manifest written; check it with `mopd verify-manifest` before training")
+    if result.published:
+        console.print("manifest written; check it with `mopd verify-manifest` before training")
+    else:
+        console.print(
+            "another job finishing at the same time wrote the manifest (the same one this job built); "
+            "check it with `mopd verify-manifest` before training"
+        )

@@ -8,6 +8,7 @@ import platform
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -89,6 +90,16 @@ class StoreOutput:
             yield append
             shard.close()
 
+    @property
+    def removed(self) -> tuple[Path, ...]:
+        """Temporaries of stopped jobs that opening the store removed."""
+        return tuple(self.writer.removed)
+
+    @property
+    def published(self) -> bool:
+        """Whether this job's finalize published the manifest (a racing job's may have won)."""
+        return self.writer.published
+
     def finalize(self) -> Manifest | None:
         """The manifest, when every task of the store is done (by this job or others); else None."""
         return self.writer.finalize(
@@ -106,6 +117,8 @@ class NoOutput:
     writer's."""
 
     writes = False
+    published = False
+    removed: tuple[Path, ...] = ()
 
     def done(self) -> set[str]:
         return set()  # the group's writer says which tasks are left

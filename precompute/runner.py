@@ -73,6 +73,7 @@ class PrecomputeResult:
     per_teacher: dict[int, TeacherStats] = field(default_factory=dict)
     tokens_per_s: float = 0.0
     writes: bool = True  # False on a megatron rank that computes for its group's writer
+    published: bool = False  # this job published the manifest (a racing finalize may have won)
 
 
 def slurm_task_split() -> tuple[int, int] | None:
@@ -234,11 +235,13 @@ def open_output(store: Path, plan: Plan, hidden_dtype: str, group: ModelParallel
     return NoOutput()
 
 
-def describe_share(store: Path, plan: Plan, share: Share, rows: TokenizedRows, max_length: int) -> str:
+def describe_share(store: Path, plan: Plan, share: Share, rows: TokenizedRows, output: Output) -> str:
+    removed = len(output.removed)
     return (
         f"store {store}: {len(plan.tasks)} tasks, {len(share.selected)} for this job ({len(share.skipped)} "
         f"already done); {rows.num_rows} rows, {int(rows.lengths.sum())} tokens, {rows.num_truncated} "
-        f"truncated and {rows.num_dropped} dropped at data.max_length {max_length}"
+        f"truncated and {rows.num_dropped} dropped at data.max_length {plan.config['data']['max_length']}"
+        + (f"; removed {removed} temporaries of stopped jobs" if removed else "")
     )
 
 
@@ -306,7 +309,7 @@ def precompute_result(
     rows: TokenizedRows,
     manifest: Manifest | None,
     tokens_per_s: float,
-    writes: bool,
+    output: Output,
 ) -> PrecomputeResult:
     totals: dict[int, TeacherStats] = {}
     for shard in manifest.shards if manifest is not None else []:
@@ -325,7 +328,8 @@ def precompute_result(
         manifest=manifest,
         per_teacher=totals,
         tokens_per_s=tokens_per_s,
-        writes=writes,
+        writes=output.writes,
+        published=output.published,
     )
 
 
@@ -360,11 +364,11 @@ def run_precompute(
         output = open_output(store, plan, config.store.dtype, group)
         share = job_share(plan, output, group, num_tasks, task_index)
         if output.writes:
-            log(describe_share(store, plan, share, rows, config.data.max_length))
+            log(describe_share(store, plan, share, rows, output))
 
         progress = show_progress and output.writes
         tokens_per_s = run_tasks(output, share.todo, teachers, rows, settings, backend, group, progress)
         manifest = output.finalize()
         if group is not None:  # every rank returns once its world's stores are written, the manifest too
             group.wait_for_world()
-    return precompute_result(store, plan, share, rows, manifest, tokens_per_s, output.writes)
+    return precompute_result(store, plan, share, rows, manifest, tokens_per_s, output)

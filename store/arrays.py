@@ -3,7 +3,8 @@
 Format 3 stores every numeric array as one shard (zarr v3's `sharding_indexed` codec): a single file
 `c/0[/0]` holding inner chunks of about `chunk_bytes` each (at most `MAX_INNER_ROWS` rows), every one
 encoded bytes → blosc (optional) → crc32c, followed by the shard index (offset and size of each inner
-chunk, itself crc32c-protected).
+chunk, itself crc32c-protected). Beside it, `chunks.crc32c` lists those checksums in order (format 4):
+what binds each chunk a reader decodes to the file the store recorded (`chunks.Recorded`).
 One file per array keeps the file count of a store at a few per task whatever its size, and a read
 decodes only the inner chunks it needs (`chunks.ArrayReader`). zarr-python writes each array's
 metadata; mopd writes the shard file itself, streaming: inner chunks are encoded on a small thread pool
@@ -31,6 +32,7 @@ import numpy as np
 
 from mopd.base import faults
 from mopd.store.chunks import chunk_file
+from mopd.store.files import CRC_FILE
 
 if TYPE_CHECKING:
     from numcodecs import Blosc
@@ -145,7 +147,8 @@ class ArrayAppender:
     Pieces are buffered until an inner chunk is full; full chunks are encoded on a thread pool (a few in
     flight) and written in order, so the caller (a teacher forward) overlaps with compression and disk
     I/O while memory stays at a few chunks. `close` writes the last chunk, zero-padded to the inner chunk
-    shape as zarr stores it, then the shard index and its crc32c.
+    shape as zarr stores it, then the shard index and its crc32c, and beside the shard the list of
+    checksums (`CRC_FILE`).
     """
 
     def __init__(
@@ -169,6 +172,8 @@ class ArrayAppender:
         self._received = 0
         self._in_flight: deque[Future[bytes]] = deque()
         self._index: list[tuple[int, int]] = []
+        self._crcs: list[bytes] = []  # each written chunk's crc32c trailer, then the index's
+        self._shard = chunk_file(path, 0, len(shape))
         self._file: Any = None
         self._offset = 0
         self._closed = False
@@ -202,12 +207,13 @@ class ArrayAppender:
         self._in_flight.append(_encoders().submit(self._encode, chunk))
 
     def _write(self, data: bytes) -> None:
-        with faults.io("write", self._path):
+        with faults.io("write", self._shard):
             if self._file is None:
-                file = chunk_file(self._path, 0, len(self._shape))
-                file.parent.mkdir(parents=True, exist_ok=True)
-                self._file = file.open("wb")
+                self._shard.parent.mkdir(parents=True, exist_ok=True)
+                self._file = self._shard.open("wb")
             self._file.write(data)
+        if self._checksum:
+            self._crcs.append(data[-4:])
         self._index.append((self._offset, len(data)))
         self._offset += len(data)
 
@@ -228,13 +234,17 @@ class ArrayAppender:
             while self._in_flight:
                 self._write(self._in_flight.popleft().result())
             if self._file is not None:  # an array of no rows has no shard
-                index = np.array(self._index, dtype="<u8").tobytes()
-                with faults.io("write", self._path):
-                    self._file.write(_with_crc32c(index))
+                index = _with_crc32c(np.array(self._index, dtype="<u8").tobytes())
+                with faults.io("write", self._shard):
+                    self._file.write(index)
+                if self._checksum:
+                    with faults.io("write", self._path / CRC_FILE):
+                        (self._path / CRC_FILE).write_bytes(b"".join([*self._crcs, index[-4:]]))
         finally:
             self._closed = True
             if self._file is not None:
-                self._file.close()
+                with faults.io("write", self._shard):  # the last buffered bytes: a full disk shows here
+                    self._file.close()
 
 
 def write_array(

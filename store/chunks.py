@@ -12,6 +12,10 @@ inside one chunk decode it once, not once each.
 A chunk or shard index that is missing, of the wrong size, fails its checksum or does not decode is a
 `StoreIntegrityError` naming the array, the chunk and the file: nothing is ever filled in, except the
 all-zero chunks that format 1 did not write (`fill_missing`).
+
+Given the array's part record (`files.Recorded`), a reader also proves that what it decodes is the file
+the store recorded: its `zarr.json` has the recorded sha256, its shard the recorded size and (format 4)
+every chunk the checksum listed beside the shard (see `files.py`). It never follows a symbolic link.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ import numpy as np
 from numcodecs import blosc
 
 from mopd.base.errors import StoreIntegrityError
+from mopd.base.fsio import LINK_REFUSED
 from mopd.base.jsonio import MAX_RECORD_BYTES, parse_json
+from mopd.store.files import COPIED, CRC_FILE, Recorded, plain_stat, read_file, read_ranges
 
 # crc32c(data + its crc32c as 4 little-endian bytes) is this constant for any data: a chunk is
 # checked in one pass over its bytes, trailer included, with no copy.
@@ -93,15 +99,9 @@ def _header_bytes(path: str | Path, label: str) -> bytes:
 
     Raises:
         FileNotFoundError: there is no zarr.json.
-        StoreIntegrityError: it cannot be read.
+        StoreIntegrityError: it cannot be read, or is a symbolic link.
     """
-    try:
-        with open(os.path.join(path, "zarr.json"), "rb") as f:
-            return f.read(MAX_RECORD_BYTES + 1)
-    except FileNotFoundError:
-        raise
-    except OSError as err:
-        raise StoreIntegrityError(f"{label}: the array's zarr.json cannot be read ({err.strerror})") from err
+    return read_file(Path(path, "zarr.json"), f"{label}/zarr.json", limit=MAX_RECORD_BYTES + 1)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -113,12 +113,15 @@ def _parse_header(data: bytes) -> tuple[tuple[int, ...], str]:
         raise StoreIntegrityError(f"zarr.json: not an array ({err!r})") from err
 
 
-def _layout(path: Path, label: str) -> _Layout:
-    """The array's layout from its zarr.json, refusing any layout mopd does not write."""
+def _layout(path: Path, label: str, recorded: Recorded | None) -> _Layout:
+    """The array's layout from its zarr.json (the recorded one, if given), refusing any layout mopd does
+    not write."""
     try:
         data = _header_bytes(path, label)
     except FileNotFoundError:
         raise StoreIntegrityError(f"{label}: the array's zarr.json is missing") from None
+    if recorded is not None:
+        recorded.check("zarr.json", data, f"{label}/zarr.json")
     meta = parse_json(data, what=f"{label}/zarr.json", error=StoreIntegrityError)
     try:
         shape = tuple(int(n) for n in meta["shape"])
@@ -138,6 +141,7 @@ def _layout(path: Path, label: str) -> _Layout:
                 and sharding.get("index_location", "end") == "end"
                 and outer_shape[1:] == chunk_shape[1:]
                 and outer_shape[0] % chunk_shape[0] == 0
+                and outer_shape[0] >= shape[0]  # one shard holds the whole array
             )
             chunks_per_shard = outer_shape[0] // chunk_shape[0] if sharded_as_written else 0
             codecs = sharding["codecs"]
@@ -224,22 +228,6 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL
 
 
-def _stat(file: Path, where: str, *, missing_ok: bool) -> os.stat_result | None:
-    """The file's stat; None when it is absent and that is allowed.
-
-    Raises:
-        StoreIntegrityError: it is missing (and that is not allowed) or cannot be read.
-    """
-    try:
-        return file.stat()
-    except FileNotFoundError:
-        if missing_ok:
-            return None
-        raise StoreIntegrityError(f"{where} is missing") from None
-    except OSError as err:
-        raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
-
-
 class ArrayReader:
     """Reads rows of one stored array, refusing anything that is not the stored data.
 
@@ -248,16 +236,23 @@ class ArrayReader:
         label: how messages name it (its path inside the store).
         fill_missing: take an absent chunk as all fill value. Only for format-1 arrays, which skipped
             all-zero chunks; their readers check the chunk files against the part records instead.
+        recorded: the array's files as its part record lists them; every file read is then proved to be
+            the recorded one (see the module's docstring).
     """
 
-    def __init__(self, path: Path, *, label: str, fill_missing: bool = False) -> None:
+    def __init__(
+        self, path: Path, *, label: str, fill_missing: bool = False, recorded: Recorded | None = None
+    ) -> None:
         self.path = path
         self.label = label
-        self._layout = _layout(path, label)
+        self._recorded = recorded
+        self._layout = _layout(path, label, recorded)
         self._fill_missing = fill_missing
         self.shape = self._layout.shape
         self.logical_dtype = self._layout.logical_dtype
         self._chunk_rows = self._layout.chunk_shape[0]
+        self._crcs: np.ndarray | None = None  # format 4: each inner chunk's crc32c, then the index's
+        self._checked: dict[Path, str] = {}  # file → its path in the array, its folders not links
 
     def _decode(self, index: int, data: bytes, where: str) -> np.ndarray:
         """Chunk `index` from its stored bytes, checksum first."""
@@ -265,6 +260,8 @@ class ArrayReader:
         if layout.checksum:
             if len(data) < 4 or google_crc32c.value(data) != _CRC32C_RESIDUE:
                 raise StoreIntegrityError(f"{where} fails its crc32c checksum (changed or truncated)")
+            if self._crcs is not None and int.from_bytes(data[-4:], "little") != self._crcs[index]:
+                raise StoreIntegrityError(f"{where} is not the chunk the store recorded ({COPIED})")
             payload = memoryview(data)[:-4]
         else:
             payload = memoryview(data)
@@ -280,6 +277,21 @@ class ArrayReader:
             raise StoreIntegrityError(f"{where} holds {payload.nbytes} bytes, a chunk {chunk.nbytes}")
         return chunk
 
+    def _file_stat(self, file: Path, where: str, *, missing_ok: bool = False) -> os.stat_result | None:
+        """`plain_stat` of a chunk or shard file of this array, which is the recorded size and lies in folders
+        that are not links."""
+        rel = self._checked.get(file)
+        if rel is None:
+            inside = file.relative_to(self.path)
+            for folder in inside.parents:
+                if folder.name and os.path.islink(self.path / folder):
+                    raise StoreIntegrityError(f"{self.label}/{folder.as_posix()}: {LINK_REFUSED}")
+            rel = self._checked[file] = inside.as_posix()
+        found = plain_stat(file, where, missing_ok=missing_ok)
+        if found is not None and self._recorded is not None:
+            self._recorded.check_size(rel, found.st_size, where)
+        return found
+
     def _chunk(self, index: int) -> np.ndarray:
         # The file's identity is part of every key: a chunk or shard deleted, replaced or changed since
         # it was decoded is read again (and refused), never served from memory.
@@ -287,73 +299,99 @@ class ArrayReader:
             return self._inner_chunk(index)
         file = chunk_file(self.path, index, len(self.shape))
         where = f"{self.label}: chunk {index} ({file})"
-        stat = _stat(file, where, missing_ok=self._fill_missing)
-        if stat is None:
+        found = self._file_stat(file, where, missing_ok=self._fill_missing)
+        if found is None:
             return np.full(self._layout.chunk_shape, self._layout.fill_value, dtype=self._layout.dtype)
-        key = (str(file), index, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        key = (str(file), index, found.st_ino, found.st_size, found.st_mtime_ns)
         chunk = _CACHE.get(key)
         if chunk is None:
-            try:
-                data = file.read_bytes()
-            except OSError as err:
-                raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
+            data = read_file(file, where, limit=found.st_size)
             chunk = self._decode(index, data, where)
             _CACHE.put(key, chunk)
         return chunk
 
     def _inner_chunk(self, index: int) -> np.ndarray:
-        per_shard = self._layout.chunks_per_shard
-        assert per_shard is not None
-        shard, inner = divmod(index, per_shard)
-        file, identity, entries = self._shard_index(shard)
+        file, identity, entries = self._shard_index()
         key = (str(file), index, *identity)
         chunk = _CACHE.get(key)
         if chunk is not None:
             return chunk
-        offset, nbytes = (int(n) for n in entries[inner])
-        where = f"{self.label}: chunk {index} ({file}, inner chunk {inner})"
+        offset, nbytes = (int(n) for n in entries[index])
+        where = f"{self.label}: chunk {index} ({file})"
         if offset == _NO_CHUNK:
             raise StoreIntegrityError(f"{where} is missing: the shard index lists no such chunk")
-        try:
-            with file.open("rb") as f:
-                data = os.pread(f.fileno(), nbytes, offset)
-        except OSError as err:
-            raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
-        chunk = self._decode(index, data, where)
+        chunk = self._decode(index, read_file(file, where, limit=nbytes, offset=offset), where)
         _CACHE.put(key, chunk)
         return chunk
 
-    def _shard_index(self, shard: int) -> tuple[Path, tuple[int, int, int], np.ndarray]:
-        """A shard file, its identity and its verified index ([chunks, 2]: offset, size), read once."""
-        file = chunk_file(self.path, shard, len(self.shape))
-        where = f"{self.label}: shard {shard} ({file})"
-        stat = _stat(file, where, missing_ok=False)
-        assert stat is not None
-        identity = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    def _shard_index(self) -> tuple[Path, tuple[int, int, int], np.ndarray]:
+        """The shard file (one per array), its identity and its verified index ([chunks, 2]: offset,
+        size), read once."""
+        file = chunk_file(self.path, 0, len(self.shape))
+        where = f"{self.label}: shard ({file})"
+        found = self._file_stat(file, where)
+        assert found is not None
+        identity = (found.st_ino, found.st_size, found.st_mtime_ns)
         key = (str(file), *identity)
         entries = _INDEXES.get(key)
+        per_shard = self._layout.chunks_per_shard
+        assert per_shard is not None
+        if self._recorded is not None and self._recorded.bound and self._crcs is None:
+            self._crcs = self._chunk_crcs(per_shard)
         if entries is None:
-            per_shard = self._layout.chunks_per_shard
-            assert per_shard is not None
             index_bytes = 16 * per_shard + 4
-            if stat.st_size < index_bytes:
+            if found.st_size < index_bytes:
                 raise StoreIntegrityError(f"{where} is truncated: shorter than its shard index")
-            try:
-                with file.open("rb") as f:
-                    raw = os.pread(f.fileno(), index_bytes, stat.st_size - index_bytes)
-            except OSError as err:
-                raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
+            raw = read_file(file, where, limit=index_bytes, offset=found.st_size - index_bytes)
             if google_crc32c.value(raw) != _CRC32C_RESIDUE:
                 raise StoreIntegrityError(
                     f"{where}: its shard index fails its crc32c checksum (changed or truncated)"
                 )
+            if self._crcs is not None and int.from_bytes(raw[-4:], "little") != self._crcs[-1]:
+                raise StoreIntegrityError(f"{where}: its shard index is not the one the store recorded")
             entries = np.frombuffer(raw[:-4], dtype="<u8").reshape(per_shard, 2)
             written = entries[:, 0] != _NO_CHUNK
             ends = entries[written, 0] + entries[written, 1]
-            if ends.size and int(ends.max()) > stat.st_size - index_bytes:
+            if ends.size and int(ends.max()) > found.st_size - index_bytes:
                 raise StoreIntegrityError(f"{where}: its index points past the chunk data (truncated)")
             _INDEXES.put(key, entries)
         return file, identity, entries
+
+    def check_recorded(self) -> None:
+        """Without decoding a chunk: the shard index and every chunk's checksum are the recorded ones
+        (format 4; what the default `verify-manifest` checks of each array).
+
+        Raises:
+            StoreIntegrityError: naming the file and the first chunk that differs.
+        """
+        if self._layout.chunks_per_shard is None or not self.shape[0]:
+            return
+        file, _identity, entries = self._shard_index()
+        assert self._crcs is not None, "check_recorded needs a recorded, bound array"
+        where = f"{self.label}: shard ({file})"
+        if (entries[:, 0] == _NO_CHUNK).any():
+            raise StoreIntegrityError(f"{where}: its index lists a chunk as never written")
+        trailers = read_ranges(file, where, [(offset + size - 4, 4) for offset, size in entries.tolist()])
+        found = np.frombuffer(b"".join(trailers), dtype="<u4")
+        differ = np.flatnonzero(found != self._crcs[:-1])
+        if differ.size:
+            raise StoreIntegrityError(
+                f"{self.label}: chunk {int(differ[0])} ({file}) is not the chunk the store recorded "
+                f"({differ.size} of {found.size} differ: {COPIED})"
+            )
+
+    def _chunk_crcs(self, per_shard: int) -> np.ndarray:
+        """The recorded crc32c of each inner chunk and of the shard index, from `CRC_FILE`."""
+        where = f"{self.label}/{CRC_FILE}"
+        try:
+            data = read_file(self.path / CRC_FILE, where, limit=4 * (per_shard + 1) + 1)
+        except FileNotFoundError:
+            raise StoreIntegrityError(f"{where} is missing; the store is damaged") from None
+        assert self._recorded is not None
+        self._recorded.check(CRC_FILE, data, where)
+        if len(data) != 4 * (per_shard + 1):
+            raise StoreIntegrityError(f"{where} lists {len(data) // 4} checksums, not {per_shard + 1}")
+        return np.frombuffer(data, dtype="<u4")
 
     def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows [start, stop) in their on-disk representation (reads only the chunks they overlap).

@@ -11,6 +11,7 @@ import numpy as np
 from mopd.base.errors import StoreIntegrityError
 from mopd.base.fsio import create_exclusive, safe_join
 from mopd.store.chunks import ArrayReader
+from mopd.store.files import Recorded
 from mopd.store.layout import ROW_IDS, TEACHER_INDEX
 from mopd.store.manifest import (
     FORMAT,
@@ -32,8 +33,10 @@ from mopd.store.manifest import (
 )
 
 
-def _read_all(root: Path, folder: str, name: str) -> np.ndarray:
-    return ArrayReader(safe_join(root, folder) / name, label=f"{folder}/{name}").read()
+def _read_all(root: Path, folder: str, name: str, part: PartRecord, plan: Plan) -> np.ndarray:
+    # Finalize publishes this mopd's format only: with checksums, their list is written too.
+    recorded = Recorded.of(part.files, name, bound=plan.storage.checksum is not None)
+    return ArrayReader(safe_join(root, folder) / name, label=f"{folder}/{name}", recorded=recorded).read()
 
 
 def check_coverage(root: Path, plan: Plan, parts: Mapping[str, PartRecord]) -> None:
@@ -43,7 +46,7 @@ def check_coverage(root: Path, plan: Plan, parts: Mapping[str, PartRecord]) -> N
         StoreIntegrityError: naming the teacher and the first rows missing or stored twice.
     """
     rows_task = next(t for t in plan.tasks if isinstance(t, RowsTask))
-    teacher_index = _read_all(root, rows_task.path, TEACHER_INDEX)
+    teacher_index = _read_all(root, rows_task.path, TEACHER_INDEX, parts[rows_task.task_id], plan)
     if teacher_index.shape[0] != plan.dataset.num_rows:
         raise StoreIntegrityError(
             f"rows hold {teacher_index.shape[0]} rows, the plan has {plan.dataset.num_rows}"
@@ -54,7 +57,7 @@ def check_coverage(root: Path, plan: Plan, parts: Mapping[str, PartRecord]) -> N
         for task in plan.tasks:
             if not isinstance(task, ShardTask) or task.teacher != teacher.index:
                 continue
-            row_ids = _read_all(root, task.path, ROW_IDS)
+            row_ids = _read_all(root, task.path, ROW_IDS, parts[task.task_id], plan)
             outside = row_ids[(row_ids < task.row_start) | (row_ids >= task.row_stop)]
             if outside.size:
                 raise StoreIntegrityError(
@@ -133,14 +136,17 @@ def build_manifest(
     )
 
 
-def publish_manifest(path: Path, manifest: Manifest) -> Manifest:
+def publish_manifest(path: Path, manifest: Manifest) -> tuple[Manifest, bool]:
     """Publishes `manifest` no-clobber. An identical existing manifest means a racing finalize won.
+
+    Returns:
+        The store's manifest, and whether this call published it.
 
     Raises:
         StoreIntegrityError: a different manifest is already there.
     """
     if create_exclusive(path, canonical_json(manifest.model_dump(mode="json")), what="manifest"):
-        return manifest
+        return manifest, True
     existing = load_manifest(path)
     if existing.stable_dict() != manifest.stable_dict():
         raise StoreIntegrityError(
@@ -148,4 +154,4 @@ def publish_manifest(path: Path, manifest: Manifest) -> Manifest:
             f"{existing.hash()[:16]}, this job's {manifest.hash()[:16]}); the store was finalized by another "
             "run. Run `mopd verify-manifest` on it, or use a new store path."
         )
-    return existing
+    return existing, False

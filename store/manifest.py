@@ -12,25 +12,30 @@ shard always know their teacher, so nothing downstream guesses one. Version 2 ad
 checksums to every array and writes every chunk, so a read can tell a missing chunk from a zero one;
 a fingerprint covers every byte of a teacher that decides its outputs. Version 3 keeps the records of
 version 2 and changes only the arrays' layout (one shard file per array of small inner chunks,
-`arrays.py`): `storage.chunk_bytes` is then the inner chunk's size. Version 1 records are upgraded on
-reading (`format_version` keeps saying 1, so readers know which guarantees hold).
+`arrays.py`): `storage.chunk_bytes` is then the inner chunk's size. Version 4 keeps that layout and adds
+beside each shard the list of its chunks' checksums (`chunks.CRC_FILE`), which binds every chunk a reader
+decodes to the file the part record names. Version 1 records are upgraded on reading (`format_version`
+keeps saying 1, so readers know which guarantees hold).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
 
 from mopd.base.errors import ManifestError, StoreIncompleteError
+from mopd.base.fsio import LINK_REFUSED
 from mopd.base.jsonio import MAX_RECORD_BYTES, describe_location, parse_json
 
 FORMAT = "mopd-teacher-store"
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
+BOUND_FROM_VERSION = 4  # from this version on, every chunk read is bound to its recorded file
 KNOWN_FEATURES: frozenset[str] = frozenset()
 
 MANIFEST_FILE = "manifest.json"
@@ -315,16 +320,29 @@ def _validate(model: type[BaseModel], raw: Any, path: Path, what: str) -> Any:
         ) from err
 
 
+# A damaged manifest is rebuilt from the part records, which finalize reads again.
+REBUILD_MANIFEST = (
+    "delete it and run `mopd precompute` again with the store's config: every task is done, so it only "
+    "rebuilds the manifest from the tasks' records"
+)
+
+
 def parse_manifest(data: bytes, path: Path) -> Manifest:
     """Validates the bytes of `manifest.json` (a version-1 manifest is upgraded in memory).
 
     Raises:
         ManifestError: they do not parse, have an unsupported format or version, or miss fields.
     """
-    raw = parse_json(data, what=f"manifest {path}", error=ManifestError)
+    try:
+        raw = parse_json(data, what=f"manifest {path}", error=ManifestError)
+    except ManifestError as err:
+        raise ManifestError(f"{err}; {REBUILD_MANIFEST}") from err
     if check_format(raw, path) == 1:
         raw = upgrade_v1_manifest(raw)
-    manifest: Manifest = _validate(Manifest, raw, path, "manifest")
+    try:
+        manifest: Manifest = _validate(Manifest, raw, path, "manifest")
+    except ManifestError as err:
+        raise ManifestError(f"{err}; {REBUILD_MANIFEST}") from err
     return manifest
 
 
@@ -345,8 +363,12 @@ def parse_part(data: bytes, path: Path, *, format_version: int = FORMAT_VERSION)
 
 
 def read_record(path: Path, what: str) -> bytes:
-    """A record's bytes, refusing a missing or oversized file with a `ManifestError` naming it."""
+    """A record's bytes, refusing a missing, oversized or linked file with a `ManifestError` naming it
+    (a part record's folder too: records are the store's own files, never links to others)."""
     try:
+        for item in (path, path.parent) if path.parent.name == PARTS_DIR else (path,):
+            if stat.S_ISLNK(item.lstat().st_mode):
+                raise ManifestError(f"{what} {path}: {item.name} is {LINK_REFUSED}")
         size = path.stat().st_size
         if size > MAX_RECORD_BYTES:
             raise ManifestError(f"{what} {path}: {size} bytes, more than a record may have; it is damaged")

@@ -1,14 +1,18 @@
 """The public read API: `open_store(path) -> TeacherStore` (DESIGN §4). Readers trust only the manifest.
 
-Every read goes through `ArrayReader`, which refuses a missing, truncated, undecodable or (format 2)
-bit-flipped chunk with an error naming the array and the chunk. A format-1 store wrote no checksums and
-skipped all-zero chunks; its arrays are checked on opening against their part records (every recorded
-chunk file present, at its recorded size), and `FORMAT_1_NOTE` says what that leaves unchecked.
+Every read goes through `ArrayReader`, which refuses a missing, truncated, undecodable or (from format 2)
+bit-flipped chunk with an error naming the array and the chunk, and is given the array's files as its
+part record lists them (the record itself proved by the manifest's sha256 of it): a file copied in from
+elsewhere is refused (format 4: any such file; earlier formats: one of another size), and so is a
+symbolic link anywhere in the store. A format-1 store wrote no checksums and skipped all-zero chunks; its
+arrays are checked on opening against their part records (every recorded chunk file present, at its
+recorded size). `format_note` says what an earlier format leaves unchecked.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -18,14 +22,18 @@ import numpy as np
 import torch
 
 from mopd.base.errors import ManifestError, StoreIntegrityError
-from mopd.base.fsio import safe_join
+from mopd.base.fsio import SafePaths
 from mopd.store.chunks import ArrayReader
+from mopd.store.files import Recorded
 from mopd.store.layout import HIDDEN, INPUT_IDS, LOSS_MASK, OFFSETS, ROW_IDS, TEACHER_INDEX
 from mopd.store.manifest import (
+    BOUND_FROM_VERSION,
     PARTS_DIR,
+    PartRecord,
     TeacherEntry,
-    load_part,
+    parse_part,
     read_manifest,
+    read_record,
 )
 from mopd.store.tensors import from_storage
 from mopd.store.transform import LogitTransform
@@ -33,6 +41,10 @@ from mopd.store.transform import LogitTransform
 FORMAT_1_NOTE = (
     "store format 1 has no per-chunk checksums: reads find missing and truncated chunk files, but a "
     "changed byte only `mopd verify-manifest --full` finds; rebuild the store for checked reads"
+)
+UNBOUND_NOTE = (
+    "store format {version} does not list its chunks' checksums: a file of the same size copied in from "
+    "another store is found only by `mopd verify-manifest --full`; rebuild the store for bound reads"
 )
 
 
@@ -56,6 +68,7 @@ class TeacherStore:
         self.root = Path(root)
         self.manifest = read_manifest(self.root)
         self._artifacts = {a.path: a for a in self.manifest.artifacts()}
+        self._paths = SafePaths(self.root, links=False)
         rows = self._array(self.manifest.rows.path, OFFSETS)
         if rows.shape != (self.manifest.dataset.num_rows + 1,):
             raise StoreIntegrityError(
@@ -67,28 +80,51 @@ class TeacherStore:
 
     @property
     def format_note(self) -> str | None:
-        """What this store's format leaves unchecked at read time (None: every chunk is verified)."""
-        return FORMAT_1_NOTE if self.manifest.storage.checksum is None else None
+        """What this store's format leaves unchecked at read time (None: every chunk is verified and bound
+        to its recorded file)."""
+        version = self.manifest.format_version
+        if self.manifest.storage.checksum is None:
+            return FORMAT_1_NOTE
+        return UNBOUND_NOTE.format(version=version) if version < BOUND_FROM_VERSION else None
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 - the store lives as long as its arrays
     def _array(self, folder: str, name: str = "") -> ArrayReader:
-        path = safe_join(self.root, folder)
         label = f"{folder}/{name}".rstrip("/")
+        path = self._paths.join(label)
         if not path.exists():
             raise StoreIntegrityError(f"{path} is listed in the manifest but missing; run verify-manifest")
         legacy = self.manifest.storage.checksum is None
         if legacy:
             self._check_recorded_files(folder, name)
-        return ArrayReader(path / name if name else path, label=label, fill_missing=legacy)
+        return ArrayReader(path, label=label, fill_missing=legacy, recorded=self._recorded(folder, name))
+
+    def _recorded(self, folder: str, name: str) -> Recorded | None:
+        """What the part record of the task folder says of its array `name`."""
+        storage = self.manifest.storage
+        bound = self.manifest.format_version >= BOUND_FROM_VERSION and storage.checksum is not None
+        return Recorded.of(self._part(folder).files, name, bound=bound)
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 - as `_array` (a few KiB each)
+    def _part(self, folder: str) -> PartRecord:
+        """The part record of the task folder, proved to be the one the manifest lists."""
+        artifact = self._artifacts[folder]
+        path = self.root / PARTS_DIR / f"{artifact.task_id}.json"
+        try:
+            data = read_record(path, "part record")
+        except FileNotFoundError:
+            raise StoreIntegrityError(f"{path} is missing; run verify-manifest") from None
+        if hashlib.sha256(data).hexdigest() != artifact.part_sha256:
+            raise StoreIntegrityError(
+                f"{path} is not the part record the manifest lists (its sha256 differs); run verify-manifest"
+            )
+        return parse_part(data, path, format_version=self.manifest.format_version)
 
     def _check_recorded_files(self, folder: str, name: str) -> None:
         """Format 1: every chunk file the part record lists for this array exists at its recorded size."""
-        artifact = self._artifacts[folder]
-        part = load_part(self.root / PARTS_DIR / f"{artifact.task_id}.json", format_version=1)
-        for rel, (size, _digest) in part.files.items():
+        for rel, (size, _digest) in self._part(folder).files.items():
             if name and not rel.startswith(f"{name}/"):
                 continue
-            path = safe_join(self.root, f"{folder}/{rel}")
+            path = self._paths.join(f"{folder}/{rel}")
             found = path.stat().st_size if path.is_file() else None
             if found != size:
                 state = "missing" if found is None else f"{found} bytes, recorded {size} (truncated?)"

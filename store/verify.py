@@ -1,8 +1,10 @@
 """`verify-manifest`: every way store, config and training checkpoint disagree, one line each.
 
 Never writes: it works on a read-only store. Quick mode checks that every recorded file exists with its
-recorded size and that arrays have the shapes and dtypes `layout.py` declares; `full=True` also
-re-hashes every byte (on parallel threads).
+recorded size, that arrays have the shapes and dtypes `layout.py` declares and (format 4) that each
+array's shard index and every chunk's checksum are the ones its part record lists — a file copied in from
+another store is found whatever its size, without decoding a chunk; `full=True` also re-hashes every
+byte (on parallel threads).
 """
 
 from __future__ import annotations
@@ -18,15 +20,18 @@ from typing import Any
 
 from mopd.base.completion import check_complete
 from mopd.base.errors import ConfigError, MopdError
-from mopd.base.fsio import SafePaths, is_temporary, sha256_file
+from mopd.base.fsio import LINK_REFUSED, SafePaths, is_temporary, sha256_file
 from mopd.store.arrays import storage_dtype
-from mopd.store.chunks import array_header
+from mopd.store.chunks import ArrayReader, array_header
+from mopd.store.files import Recorded
 from mopd.store.fingerprint import fingerprint_for_format
 from mopd.store.layout import artifact_arrays
 from mopd.store.manifest import (
+    BOUND_FROM_VERSION,
     PARTS_DIR,
     ArtifactRecord,
     Manifest,
+    PartRecord,
     TeacherEntry,
     artifact_hash,
     parse_part,
@@ -40,51 +45,59 @@ from mopd.store.teachers import (
     diff_teacher_lists,
     read_teacher_list,
 )
+from mopd.store.temporaries import describe as describe_temporary
+from mopd.store.temporaries import temporaries
+
+_Checked = tuple[list[str], list[tuple[Path, str, str]], PartRecord | None]
 
 
-def _check_artifact(
-    paths: SafePaths, manifest: Manifest, artifact: ArtifactRecord
-) -> tuple[list[str], list[tuple[Path, str, str]]]:
-    """Problems of one task folder, and (file, recorded sha256, where) for a full check to hash."""
+def _check_artifact(paths: SafePaths, manifest: Manifest, artifact: ArtifactRecord) -> _Checked:
+    """Problems of one task folder, (file, recorded sha256, where) for a full check to hash, and its part
+    record (None where it is missing or not the one the manifest lists)."""
     root = paths.root
     try:
         folder = paths.join(artifact.path)
     except MopdError as err:
-        return [str(err)], []
+        return [str(err)], [], None
     if not folder.is_dir():
-        return [f"{artifact.path}: missing ({artifact.kind} of task {artifact.task_id} was deleted)"], []
+        deleted = f"{artifact.path}: missing ({artifact.kind} of task {artifact.task_id} was deleted)"
+        return [deleted], [], None
     where = f"{PARTS_DIR}/{artifact.task_id}.json"
     part_path = root / where
     try:
         data = read_record(part_path, "part record")
     except FileNotFoundError:
-        return [f"{where}: part record of task {artifact.task_id} is missing"], []
+        return [f"{where}: part record of task {artifact.task_id} is missing"], [], None
     except MopdError as err:
-        return [str(err)], []
+        return [str(err)], [], None
     if hashlib.sha256(data).hexdigest() != artifact.part_sha256:
-        return [f"{where}: part record changed since the manifest was written"], []
+        return [f"{where}: part record changed since the manifest was written"], [], None
     try:
         part = parse_part(data, part_path, format_version=manifest.format_version)
     except MopdError as err:
-        return [str(err)], []
+        return [str(err)], [], None
     if artifact_hash(part.files) != artifact.hash:
-        return [f"{where}: file list does not match the manifest's hash"], []
-    found, problems = _listing(folder, artifact.path)
+        return [f"{where}: file list does not match the manifest's hash"], [], None
+    found, links, problems = _listing(folder, artifact.path)
     to_hash = []
     for rel, (size, digest) in part.files.items():
         if not _plain_relative(rel):
             problems.append(f"{where}: path {rel!r} must be relative and stay inside the store")
+        elif any(rel == link or rel.startswith(f"{link}/") for link in links):
+            continue  # reported as a link
         elif rel not in found:
             problems.append(f"{artifact.path}/{rel}: missing")
         elif found[rel] != size:
-            problems.append(f"{artifact.path}/{rel}: {found[rel]} bytes, recorded {size} (truncated?)")
+            problems.append(
+                f"{artifact.path}/{rel}: {found[rel]} bytes, recorded {size} (truncated, or another file)"
+            )
         else:
             to_hash.append((folder / rel, digest, f"{artifact.path}/{rel}"))
     problems += [
         f"{artifact.path}/{rel}: unexpected file, not in the part record"
         for rel in sorted(found.keys() - part.files.keys())
     ]
-    return problems, to_hash
+    return problems, to_hash, part
 
 
 def _plain_relative(rel: str) -> bool:
@@ -92,11 +105,12 @@ def _plain_relative(rel: str) -> bool:
     return not rel.startswith("/") and all(part not in ("", ".", "..") for part in parts)
 
 
-def _listing(folder: Path, label: str) -> tuple[dict[str, int], list[str]]:
-    """Relative path → size of every file below `folder` (temporaries left out), and a problem for each
-    symbolic link: a store never holds one, so nothing a record names can lead outside it. One scandir
-    per folder, on plain strings (a store of 10k shards holds 80k folders)."""
+def _listing(folder: Path, label: str) -> tuple[dict[str, int], list[str], list[str]]:
+    """Relative path → size of every file below `folder` (temporaries left out), the symbolic links, and
+    a problem for each link: a store never holds one, so nothing a record names can lead outside it. One
+    scandir per folder, on plain strings (a store of 10k shards holds 80k folders)."""
     found: dict[str, int] = {}
+    links: list[str] = []
     problems: list[str] = []
     pending = [("", str(folder))]
     while pending:
@@ -107,12 +121,13 @@ def _listing(folder: Path, label: str) -> tuple[dict[str, int], list[str]]:
                 if is_temporary(entry.name):
                     continue
                 if entry.is_symlink():
-                    problems.append(f"{label}/{rel}: a symbolic link, which a store never holds")
+                    links.append(rel)
+                    problems.append(f"{label}/{rel}: {LINK_REFUSED}")
                 elif entry.is_dir():
                     pending.append((rel + "/", entry.path))
                 else:
                     found[rel] = entry.stat().st_size
-    return found, problems
+    return found, links, problems
 
 
 # Threads hashing files for `--full`: more than the cores, so that reads overlap (the disk, or a
@@ -192,16 +207,33 @@ def _check_span(span: tuple[int, int]) -> tuple[list[str], list[tuple[Path, str,
 def _check_block(
     root: Path, manifest: Manifest, artifacts: list[ArtifactRecord]
 ) -> tuple[list[str], list[tuple[Path, str, str]]]:
-    paths = SafePaths(root)
+    paths = SafePaths(root, links=False)
     problems: list[str] = []
     to_hash: list[tuple[Path, str, str]] = []
     for artifact in artifacts:
-        found, files = _check_artifact(paths, manifest, artifact)
+        found, files, part = _check_artifact(paths, manifest, artifact)
+        found += _check_shapes(root, manifest, artifact)
+        if not found and part is not None and manifest.format_version >= BOUND_FROM_VERSION:
+            found += _check_bound(root, manifest, artifact, part)
         problems += found
         to_hash += files
-    for artifact in artifacts:
-        problems += _check_shapes(root, manifest, artifact)
     return problems, to_hash
+
+
+def _check_bound(root: Path, manifest: Manifest, artifact: ArtifactRecord, part: PartRecord) -> list[str]:
+    """Each numeric array's zarr.json, shard index and chunk checksums are the ones its part record
+    lists (format 4), read without decoding a chunk."""
+    problems = []
+    for array in artifact_arrays(artifact, manifest):
+        if array.dtype == "string":
+            continue  # a zarr-python array of its own layout, hashed by `--full`
+        where = f"{artifact.path}/{array.name}".rstrip("/")
+        try:
+            recorded = Recorded.of(part.files, array.name, bound=True)
+            ArrayReader(root / where, label=where, recorded=recorded).check_recorded()
+        except MopdError as err:
+            problems.append(str(err))
+    return problems
 
 
 def _check_shapes(root: Path, manifest: Manifest, artifact: ArtifactRecord) -> list[str]:
@@ -367,6 +399,8 @@ def verify_store(
     problems: list[str] = []
     warnings: list[str] = []
     problems += _check_store(root, manifest, full=full, threads=threads or HASH_THREADS)
+    left = temporaries(root, (artifact.path for artifact in manifest.artifacts()))
+    warnings += [describe_temporary(root, path) for path in left]
     if teachers is not None:
         found, config_warnings = check_config(manifest, teachers)
         problems += found

@@ -46,6 +46,7 @@ from mopd.store.manifest import (
     load_part,
     load_plan,
 )
+from mopd.store.temporaries import remove_stopped
 
 _GROUP_JSON = canonical_json({"attributes": {}, "node_type": "group", "zarr_format": 3})
 
@@ -114,6 +115,8 @@ class StoreWriter:
         self.plan = plan
         self.identity = plan.identity()
         self._tasks = {task.task_id: task for task in plan.tasks}
+        self.published = False  # whether this writer's finalize published the manifest (not a racing one)
+        self.removed: list[Path] = []  # temporaries of stopped jobs removed on opening
 
     @classmethod
     def open(cls, root: str | Path, plan: Plan) -> StoreWriter:
@@ -134,6 +137,7 @@ class StoreWriter:
                 raise ManifestError(_describe_plan_mismatch(root, existing, plan))
         (root / PARTS_DIR).mkdir(exist_ok=True)
         writer._create_groups()
+        writer.removed = remove_stopped(root, (task.path for task in plan.tasks))
         return writer
 
     def _create_groups(self) -> None:
@@ -236,7 +240,8 @@ class StoreWriter:
         manifest = build_manifest(
             self.root, self.plan, parts, part_hashes, created_by=created_by, volatile=volatile
         )
-        return publish_manifest(self.root / MANIFEST_FILE, manifest)
+        manifest, self.published = publish_manifest(self.root / MANIFEST_FILE, manifest)
+        return manifest
 
 
 def _describe_plan_mismatch(root: Path, existing: Plan, new: Plan) -> str:

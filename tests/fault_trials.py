@@ -143,7 +143,8 @@ def kill_at_random(
 
 def two_jobs_at_once(config: Path, store: Path, reference: dict[str, Any]) -> Outcome:
     """Two jobs started together on the same tasks (a requeue, a duplicated array index): each task is
-    published once, one manifest, the reference store."""
+    published once, one manifest, which only the job that published it says it wrote; the reference
+    store."""
     args = [sys.executable, "-m", "mopd.cli", *precompute_args(config, store)]
     procs = [
         subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)
@@ -151,6 +152,9 @@ def two_jobs_at_once(config: Path, store: Path, reference: dict[str, Any]) -> Ou
     errors = [p.communicate(timeout=300)[1].decode() for p in procs]
     if any(p.returncode != 0 for p in procs):
         return Outcome("two jobs", False, " | ".join(e[-300:] for e in errors))
+    written = sum("manifest written" in e for e in errors)
+    if written != 1:
+        return Outcome("two jobs", False, f"{written} jobs say they wrote the manifest")
     same = store_contents(store) == reference and stored_rows(store) == sorted(set(stored_rows(store)))
     return Outcome("two jobs", same)
 

@@ -1,6 +1,7 @@
-"""Reads never invent data: a deleted, truncated or bit-flipped chunk of any array the trainer reads stops
-`mopd train` with exit 1, naming the array and the chunk, before the optimizer takes a step over any row
-the chunk holds; `verify-manifest --full` names the same file."""
+"""Reads never invent data: a deleted, truncated or bit-flipped chunk of any array the trainer reads, or a
+file copied in from another store of the same rows, stops `mopd train` with exit 1, naming the array and
+the chunk, before the optimizer takes a step over any row the chunk holds; `verify-manifest` names the
+same file (`--full` for damage, the default check for a copied file)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from click.testing import CliRunner
 
 from mopd.cli.main import cli
+from mopd.config.mopd_config import load_config
+from mopd.precompute.runner import run_precompute
 from mopd.store import StoreIntegrityError, open_store
 from mopd.store.layout import HIDDEN, INPUT_IDS, LOSS_MASK, OFFSETS, ROW_IDS, TEACHER_INDEX
 from mopd.train.data_order import LoaderState
 from mopd.train.metrics import METRICS_FILE, read_metrics
 from mopd.train.trainer import Trainer
+from tests.precompute.teachers import make_tokenizer, save_teacher
 from tests.store.synthetic import VOCAB_SIZE, head_for, hidden_for, tokens_for
-from tests.train.world import World, world_config
+from tests.train.world import World, world_config, write_train_config
 
 pytestmark = pytest.mark.slow
 
@@ -99,6 +104,74 @@ def test_train_stops_at_a_damaged_chunk(
     assert any(f"{path}/c/" in line for line in verify.stdout.splitlines()), verify.stdout
 
 
+def _precompute(world: World, folder: Path, teachers: dict[str, Path], codec: str) -> Path:
+    store = folder / "store.zarr"
+    path = write_train_config(folder, teachers, data=world.data, store=store, student=world.student)
+    raw = yaml.safe_load(path.read_text())
+    raw["store"]["codec"] = codec
+    path.write_text(yaml.safe_dump(raw))
+    run_precompute(load_config(path), log=lambda *_: None)
+    return store
+
+
+@pytest.fixture(scope="module")
+def two_stores(world: World, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """Per codec: a store of the world, and one of the same rows by two other teachers of the same shapes
+    (their checkpoints sort alike, so every teacher has the same index in both)."""
+    root = tmp_path_factory.mktemp("other")
+    tokenizer = make_tokenizer()
+    others = {
+        "code": save_teacher(root / "code-teacher", "qwen2", hidden_size=64, seed=14, tokenizer=tokenizer),
+        "math": save_teacher(root / "math-teacher", "llama", hidden_size=64, seed=15, tokenizer=tokenizer),
+    }
+    return {
+        "shuffle-zstd1": (world.store, _precompute(world, root / "zstd", others, "shuffle-zstd1")),
+        "none": (
+            _precompute(world, root / "none-world", world.teachers, "none"),
+            _precompute(world, root / "none-other", others, "none"),
+        ),
+    }
+
+
+@pytest.mark.parametrize("array", ["hidden", "lm_head"])
+@pytest.mark.parametrize("codec", ["shuffle-zstd1", "none"])
+def test_a_file_copied_from_another_store_is_refused(
+    world: World,
+    tmp_path: Path,
+    late_shard: tuple[str, int],
+    two_stores: dict[str, tuple[Path, Path]],
+    codec: str,
+    array: str,
+) -> None:
+    """A same-shape shard or LM-head file of another store of the same rows, copied in: each chunk of
+    it passes its own crc32c, yet `mopd train` exits 1 naming the file before a step trains on it, and
+    the default `verify-manifest` exits 1 naming it. With `codec: none` the file even has the recorded
+    size: only the chunk checksums listed beside it (format 4) tell it apart."""
+    shard, shard_first_step = late_shard
+    ours, theirs = two_stores[codec]
+    store = Path(shutil.copytree(ours, tmp_path / "store.zarr"))
+    path = ARRAYS[array].format(shard=shard)
+    shard_file = Path(path, "c", "0", "0")
+    assert (theirs / shard_file).read_bytes() != (store / shard_file).read_bytes()
+    if codec == "none":
+        assert (theirs / shard_file).stat().st_size == (store / shard_file).stat().st_size
+    shutil.copyfile(theirs / shard_file, store / shard_file)
+    world_config(world, tmp_path, store=store, **TRAIN)
+    result = CliRunner().invoke(
+        cli, ["train", str(tmp_path / "config.yaml"), "--output", str(tmp_path / "run")]
+    )
+    assert result.exit_code == 1, result.output
+    message = " ".join(result.stderr.split())
+    assert f"error: {path}: " in message and "the store recorded" in message, message
+    assert "Traceback" not in result.stderr
+    metrics = tmp_path / "run" / METRICS_FILE
+    steps = [r["step"] for r in read_metrics(metrics)] if metrics.exists() else []
+    assert steps == (list(range(1, shard_first_step)) if array == "hidden" else [])
+    verify = CliRunner().invoke(cli, ["verify-manifest", str(store)])
+    assert verify.exit_code == 1
+    assert any(line.startswith(f"{path}") for line in verify.stdout.splitlines()), verify.stdout
+
+
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 
@@ -126,11 +199,24 @@ def test_a_format_2_store_reads_verifies_and_refuses_a_flipped_bit(tmp_path: Pat
     a flipped bit in one of its chunk files is refused by its checksum."""
     store = Path(shutil.copytree(FIXTURES / "store-v2.zarr", tmp_path / "v2.zarr"))
     assert_fixture_reads_and_verifies(store, 2)
-    assert open_store(store).format_note is None
+    assert "store format 2 does not list its chunks' checksums" in str(open_store(store).format_note)
     chunk = store / "teachers" / "1" / "shards" / "shard_000000" / HIDDEN / "c" / "0" / "0"
     damage(chunk, "flip")
     with pytest.raises(StoreIntegrityError, match=r"shard_000000/hidden: chunk 0 .* fails its crc32c"):
         open_store(store).hidden(1)
+
+
+def test_a_format_3_store_reads_verifies_and_refuses_a_file_of_another_size(tmp_path: Path) -> None:
+    """The committed format-3 fixture (one shard per array, no list of chunk checksums) still opens, reads
+    and verifies, and says once that a same-size file copied in is found by `--full` only; a file of
+    another size, here a shard of the other teacher's head, is refused by its recorded size."""
+    store = Path(shutil.copytree(FIXTURES / "store-v3.zarr", tmp_path / "v3.zarr"))
+    assert_fixture_reads_and_verifies(store, 3)
+    assert "store format 3 does not list its chunks' checksums" in str(open_store(store).format_note)
+    heads = store / "teachers"
+    shutil.copyfile(heads / "1" / "lm_head" / "c" / "0" / "0", heads / "0" / "lm_head" / "c" / "0" / "0")
+    with pytest.raises(StoreIntegrityError, match=r"teachers/0/lm_head: shard .* the store recorded"):
+        open_store(store).lm_head(0)
 
 
 def test_a_format_1_store_reads_verifies_and_names_a_missing_chunk(tmp_path: Path) -> None:

@@ -94,10 +94,10 @@ def _edit_manifest(root: Path, **changes: object) -> None:
 
 
 def test_a_newer_format_version(small_store: StoreSpec) -> None:
-    _edit_manifest(Path(small_store.root), format_version=4)
+    _edit_manifest(Path(small_store.root), format_version=5)
     lines = problem_lines(result := verify(small_store.root))
     assert result.exit_code == 1 and len(lines) == 1
-    assert "format_version 4 is newer than this mopd (reads 1, 2, 3); upgrade mopd" in lines[0]
+    assert "format_version 5 is newer than this mopd (reads 1, 2, 3, 4); upgrade mopd" in lines[0]
 
 
 def test_unknown_required_feature(small_store: StoreSpec) -> None:
@@ -287,3 +287,26 @@ def test_folders_checked_in_several_processes_find_what_one_process_finds(
     for thread in running:
         thread.join()
     assert several == one and len(one[0]) == 3 and len(one[1]) > 10
+
+
+def test_temporaries_of_stopped_jobs_are_listed_with_the_command_that_removes_them(
+    small_store: StoreSpec,
+) -> None:
+    """Another host's leftover task folder and an earlier mopd's record temporary: the store is sound
+    (exit 0), and each is one warning naming who left it and the `rm` that removes it."""
+    root = Path(small_store.root)
+    folder = root / "teachers" / "0" / "shards" / f"shard_000000.tmp-4242@elsewhere-{'0' * 32}"
+    folder.mkdir()
+    (folder / "partial").write_bytes(b"half a shard")
+    record = root / PARTS_DIR / f"rows.json.tmp-{'1' * 32}"
+    record.write_bytes(b"{")
+    result = verify(small_store.root)
+    assert result.exit_code == 0 and result.stdout.startswith("ok:"), result.output
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert warnings == [
+        f"warning: _parts/{record.name}: a temporary left by a job that stopped (a job of an earlier mopd), "
+        f"not part of the store; once no job writes this store, remove it with `rm -rf {record}`",
+        f"warning: teachers/0/shards/{folder.name}: a temporary left by a job that stopped (process 4242 "
+        f"on elsewhere), not part of the store; once no job writes this store, remove it with `rm -rf "
+        f"{folder}`",
+    ], result.stderr

@@ -95,6 +95,6 @@ def test_two_model_parallel_groups_share_the_tasks(config: Path, tmp_path: Path)
     computed = [int(n) for n in re.findall(r"computed (\d+) tasks", log)]
     assert len(computed) == 2 and sum(computed) == 7 and min(computed) > 0  # two writers, disjoint shares
     # Both groups may finish their last task at once and both finalize: the manifest is published
-    # no-clobber, so one wins and the other finds the identical manifest (each then reports it).
-    assert 1 <= log.count("manifest written") <= 2
+    # no-clobber, so one wins, and only it says so; the other finds the identical manifest.
+    assert log.count("manifest written") == 1
     assert_fp32_equal(reference, open_store(store), "megatron")

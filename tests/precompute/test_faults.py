@@ -19,12 +19,14 @@ from tests.fault_trials import (
     io_error_in_precompute,
     kill_at_random,
     precompute_args,
+    precompute_in_process,
     racing_finalizers,
     store_contents,
     two_jobs_at_once,
     write_precompute_config,
 )
 from tests.precompute.teachers import mixed_records, write_jsonl
+from tests.small_fs import full_disk_error, small_filesystem
 
 pytestmark = pytest.mark.slow
 
@@ -105,3 +107,58 @@ def test_io_errors_stop_cleanly_and_a_rerun_completes(
     for k in (1, 4):
         outcome = io_error_in_precompute(config, tmp_path / f"store-{k}.zarr", code, op, k, reference)
         assert outcome.identical, outcome
+
+
+def _pages(folder: Path) -> int:
+    """Bytes the files below `folder` take on a tmpfs: whole 4 KiB pages each."""
+    return sum(-(-p.stat().st_size // 4096) * 4096 for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("where", ["ingest", "task"])
+def test_a_real_full_disk_is_one_line_naming_the_file(
+    setup: tuple[Path, dict[str, Any]], tmp_path: Path, where: str
+) -> None:
+    """The store on a tmpfs that holds half of the ingest cache, or the cache and half of the store:
+    the write that finds the disk full, a buffered one inside datasets' map or zarr's shard included,
+    is one line naming its file and the space left, exit 1; with room again a rerun gives the reference
+    store. Where no tmpfs can be mounted the same failure is injected at the first write."""
+    config, reference = setup
+    cached = _pages(config.parent / "reference.zarr" / "ingest")
+    size = cached // 2 if where == "ingest" else cached + _pages(config.parent / "reference.zarr") // 2
+    store = tmp_path / "disk" / "store.zarr"
+    with small_filesystem(tmp_path / "disk", max(4096, size)) as disk:
+        if disk is None:
+            outcome = io_error_in_precompute(config, store, "enospc", "write", 1, reference)
+            assert outcome.identical, outcome
+            return
+        error = full_disk_error(*precompute_in_process(config, store))
+        assert error.startswith(f"error: write failed: No space left on device: {store}/"), error
+        assert ("/ingest/" in error) == (where == "ingest"), error
+        disk.grow(64 << 20)
+        outcome = finish_and_compare(where, config, store, reference, in_process=True)
+        assert outcome.identical, outcome.detail
+
+
+def test_a_damaged_manifest_says_how_to_rebuild_it_and_that_rebuilds_it(
+    setup: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """A truncated manifest: readers say to delete it and rerun precompute; doing so rebuilds the same
+    manifest from the part records, computing nothing again."""
+    import shutil
+
+    from mopd.store.manifest import load_manifest
+
+    config, reference = setup
+    store = Path(shutil.copytree(config.parent / "reference.zarr", tmp_path / "store.zarr"))
+    manifest = store / MANIFEST_FILE
+    original = load_manifest(manifest)
+    manifest.write_bytes(manifest.read_bytes()[:100])
+    verify = cli(["verify-manifest", str(store)])
+    assert (
+        verify.returncode == 1 and "it is damaged; delete it and run `mopd precompute` again" in verify.stdout
+    )
+    manifest.unlink()
+    code, stderr = precompute_in_process(config, store)
+    assert code == 0 and "computed 0 tasks" in stderr, stderr
+    assert load_manifest(manifest).stable_dict() == original.stable_dict()
+    assert store_contents(store) == reference

@@ -21,6 +21,7 @@ from tests.fault_trials import (
     train_in_process,
     train_records,
 )
+from tests.small_fs import folder_bytes, full_disk_error, small_filesystem
 from tests.train.world import World, world_config
 
 pytestmark = pytest.mark.slow
@@ -67,3 +68,34 @@ def test_io_errors_in_a_checkpoint_save(world: World, tmp_path: Path, op: str, c
     whole = train_records(tmp_path / "whole")
     outcome = io_error_in_checkpoint(config, tmp_path / "run", code, op, 2, whole)
     assert outcome.identical, outcome
+
+
+def test_a_full_disk_inside_a_checkpoint_write_is_one_line(
+    reference: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """A real full disk: the run's output on a tmpfs that holds one checkpoint and half of the next, so
+    the step-4 save fails inside safetensors' own write (an error safetensors wraps, not an OSError):
+    one line naming the file and the space left, exit 1; the step-2 checkpoint intact and nothing
+    partial published; given room again, the run resumes to the uninterrupted run's records. Where no
+    tmpfs can be mounted the same failure is injected at the save's second write."""
+    from mopd.base.completion import check_complete
+    from mopd.train.checkpoint import complete_checkpoints
+
+    config, whole = reference
+    checkpoint = folder_bytes(complete_checkpoints(config.parent / "whole" / "checkpoints")[0])
+    rest = folder_bytes(config.parent / "whole") - folder_bytes(config.parent / "whole" / "checkpoints")
+    run = tmp_path / "run"
+    with small_filesystem(run, rest + checkpoint * 3 // 2) as disk:
+        if disk is None:
+            outcome = io_error_in_checkpoint(config, run, "enospc", "write", 2, whole)
+            assert outcome.identical, outcome
+            return
+        error = full_disk_error(*train_in_process(config, run))
+        assert "step_00000004.tmp-" in error and "optimizer.safetensors" in error, error
+        checkpoints = complete_checkpoints(run / "checkpoints")
+        assert [c.name for c in checkpoints] == ["step_00000002"]
+        assert check_complete(checkpoints[0]) == []
+        disk.grow(64 << 20)
+        assert train_in_process(config, run)[0] == 0
+        outcome = compare_runs("full disk", run, whole)
+        assert outcome.identical, outcome.detail
