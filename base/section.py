@@ -26,13 +26,17 @@ def _device_name(value: str) -> str:
 Device = Annotated[str, AfterValidator(_device_name)]
 
 
-def _takes_bool(annotation: Any) -> bool:
-    """Whether a field of this type holds true/false (alone or in a union with None)."""
-    if annotation is bool:
+def _takes(annotation: Any, kinds: tuple[type, ...]) -> bool:
+    """Whether a field of this type holds a value of one of `kinds` (alone or in a union)."""
+    if annotation in kinds:
         return True
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return any(_takes_bool(arg) for arg in typing.get_args(annotation))
+        return any(_takes(arg, kinds) for arg in typing.get_args(annotation))
     return False
+
+
+def _takes_bool(annotation: Any) -> bool:
+    return _takes(annotation, (bool,))
 
 
 def _value_type(annotation: Any) -> Any:
@@ -44,8 +48,8 @@ def _value_type(annotation: Any) -> Any:
 
 class Section(BaseModel):
     """A config section: unknown keys are errors, values are frozen, NaN and infinity are refused, and
-    YAML booleans are never taken for numbers or strings for booleans (`max_length: true` is not 1,
-    `trust_remote_code: "yes"` is not true)."""
+    YAML booleans are never taken for numbers or strings for booleans or numbers (`max_length: true` is
+    not 1, `trust_remote_code: "yes"` is not true, `seed: "1"` is not 1)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -54,6 +58,8 @@ class Section(BaseModel):
     def _no_bool_coercion(cls, value: Any, info: ValidationInfo) -> Any:
         annotation = cls.model_fields[info.field_name or ""].annotation
         _check_bool(value, _takes_bool(annotation))
+        if isinstance(value, str) and _takes(annotation, (int, float)) and not _takes(annotation, (str,)):
+            raise ValueError(f"{value!r} is text, not a number (write it without quotes)")
         inner = _value_type(annotation)
         if inner is not None and isinstance(value, dict):
             for key, item in value.items():

@@ -154,44 +154,6 @@ def rows_fingerprint(table: pa.Table) -> str:
     return digest.hexdigest()
 
 
-def load_records(path: str | Path) -> Any:
-    """Loads a dataset file or folder with HF `datasets` (no network).
-
-    Raises:
-        ConfigError: the path is missing or not a format `datasets` reads.
-    """
-    import datasets
-
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"data.path {path} does not exist")
-    datasets.disable_progress_bars()
-    try:
-        if path.is_dir():
-            loaded = datasets.load_from_disk(str(path))
-            return loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
-        suffix = path.suffix.lower()
-        builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}.get(suffix)
-        if builder is None:
-            raise ConfigError(
-                f"data.path {path}: unknown file type {suffix!r}; use .jsonl, .json, .parquet, "
-                ".arrow or a folder written by Dataset.save_to_disk"
-            )
-        if builder == "arrow":
-            return datasets.Dataset.from_file(str(path))
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
-    except ConfigError:
-        raise
-    except ValueError as err:
-        if "corresponds to no data" in str(err):  # datasets' way of saying the file has no rows
-            raise ConfigError(f"data.path {path} holds no rows") from err
-        raise ConfigError(f"data.path {path}: cannot be read as a dataset ({err})") from err
-    except Exception as err:
-        raise ConfigError(
-            f"data.path {path}: cannot be read as a dataset ({type(err).__name__}: {err})"
-        ) from err
-
-
 def detect_format(columns: Sequence[str]) -> str:
     names = set(columns)
     if "input_ids" in names:
@@ -208,6 +170,27 @@ def detect_format(columns: Sequence[str]) -> str:
     )
 
 
+def _check_number_columns(features: Any, path: str) -> None:
+    """`input_ids` and `loss_mask` are lists of numbers in every row. A list that mixes numbers with
+    text, booleans or lists somewhere in the file is decoded by `datasets` as JSON (`"1"` becomes 1), so
+    it is refused here, by its column's type, before any row is read.
+
+    Raises:
+        ConfigError: naming the column.
+    """
+    import datasets
+
+    for column in ("input_ids", "loss_mask"):
+        feature = features.get(column)
+        inner = getattr(feature, "feature", None)
+        numeric = isinstance(inner, datasets.Value) and inner.dtype.startswith(("int", "uint", "float"))
+        if feature is not None and not (isinstance(feature, datasets.List | datasets.LargeList) and numeric):
+            raise ConfigError(
+                f"data.path {path}: {column} is not a list of numbers in every row (it holds {feature}): "
+                "a row writes an entry as text, true or false, null or a list; write every entry as a number"
+            )
+
+
 def next_token_mask(trained_tokens: np.ndarray) -> np.ndarray:
     """loss_mask[t] = trained_tokens[t + 1]: position t predicts token t + 1; the last never trains."""
     mask = np.zeros(trained_tokens.shape[0], dtype=np.uint8)
@@ -218,9 +201,19 @@ def next_token_mask(trained_tokens: np.ndarray) -> np.ndarray:
 def render_chat(
     tokenizer: Any, messages: Sequence[Mapping[str, str]], *, generation_prompt: bool
 ) -> list[int]:
-    """The chat template's token ids of a conversation (with the assistant's generation prompt)."""
+    """The chat template's token ids of a conversation (with the assistant's generation prompt).
+
+    Raises:
+        ConfigError: the tokenizer has no chat template.
+    """
     if not messages:
         return []
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError(
+            f"the tokenizer {getattr(tokenizer, 'name_or_path', '')} has no chat template, which `messages` "
+            "rows need; set `tokenizer` to a checkpoint whose tokenizer has one, or give the rows as `text` "
+            "(or `prompt` and `completion`)"
+        )
     ids = tokenizer.apply_chat_template(
         list(messages), tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
     )
@@ -247,6 +240,31 @@ def _tokenize_messages(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[
     return ids, next_token_mask(trained)
 
 
+def _tokenize_chat(tokenizer: Any, messages: list[dict[str, str]], row: int) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        return _tokenize_messages(tokenizer, messages)
+    except ConfigError:
+        raise
+    except Exception as err:  # jinja2's TemplateError, or what a template's own code raises
+        raise ConfigError(f"row {row}: the chat template cannot render its messages ({err})") from err
+
+
+def _numbers(value: Any, row: int, column: str, expected: str) -> np.ndarray:
+    """A flat list of numbers as float64; text, booleans, nulls and nested lists are refused, never
+    converted ("1" is not 1).
+
+    Raises:
+        ConfigError: naming the row and the column.
+    """
+    try:
+        found = np.asarray(value)
+    except ValueError:  # a ragged nesting
+        found = np.asarray(None)
+    if found.ndim != 1 or (found.size and found.dtype.kind not in "iuf"):
+        raise ConfigError(f"row {row}: {column} must be a flat list of {expected}, got {value!r:.80}")
+    return found.astype(np.float64)
+
+
 def _given_ids(value: Any, row: int, vocab: int) -> np.ndarray:
     """A row's `input_ids` as given, refused unless they are whole numbers in [0, vocab): a float
     would be cut (70.5 → 70) and an id past the tokenizer is a token no teacher was ever trained on.
@@ -254,12 +272,7 @@ def _given_ids(value: Any, row: int, vocab: int) -> np.ndarray:
     Raises:
         ConfigError: naming the row and the first offending id.
     """
-    try:
-        given = np.asarray(value if value is not None else [], dtype=np.float64)
-    except (TypeError, ValueError):
-        raise ConfigError(f"row {row}: input_ids must be a list of token ids, got {value!r:.80}") from None
-    if given.ndim != 1:
-        raise ConfigError(f"row {row}: input_ids must be a flat list of token ids")
+    given = _numbers(value if value is not None else [], row, "input_ids", "token ids")
     bad = np.flatnonzero((given != np.floor(given)) | (given < 0) | (given >= vocab))
     if bad.size:
         raise ConfigError(
@@ -275,10 +288,7 @@ def _given_mask(value: Any, row: int, length: int) -> np.ndarray:
     Raises:
         ConfigError: naming the row.
     """
-    try:
-        mask = np.asarray(value, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise ConfigError(f"row {row}: loss_mask must be a list of 0 and 1, got {value!r:.80}") from None
+    mask = _numbers(value, row, "loss_mask", "0 and 1")
     if mask.shape != (length,):
         raise ConfigError(f"row {row}: loss_mask has {mask.size} entries for {length} input_ids")
     if not np.isin(mask, (0, 1)).all():
@@ -287,6 +297,7 @@ def _given_mask(value: Any, row: int, length: int) -> np.ndarray:
 
 
 # The columns each row of a format must hold as strings (a messages row: a list of turns).
+_TURN = ("role", "content")
 _TEXT_COLUMNS = {"text": ("text",), "prompt+completion": ("prompt", "completion")}
 
 
@@ -311,6 +322,12 @@ def _check_row_format(batch: Mapping[str, list[Any]], input_format: str, indices
                     f"row {indices[k]}: messages is {value!r:.40}, not a list of turns; every row of a "
                     "messages dataset needs one (one row format per dataset)"
                 )
+            for turn in value:
+                if not isinstance(turn, dict) or not all(isinstance(turn.get(key), str) for key in _TURN):
+                    raise ConfigError(
+                        f"row {indices[k]}: a turn of its messages is {turn!r:.60}, not a role and a content "
+                        "of text"
+                    )
 
 
 def _tokenize_records(
@@ -333,7 +350,9 @@ def _tokenize_records(
             out.append((np.array([*prompt, *completion], dtype=np.int64), next_token_mask(trained)))
         return out
     if input_format == "messages":
-        return [_tokenize_messages(tokenizer, list(m)) for m in batch["messages"]]
+        return [
+            _tokenize_chat(tokenizer, list(m), row) for m, row in zip(batch["messages"], indices, strict=True)
+        ]
     out = []
     vocab = len(tokenizer)
     for k in range(size):
@@ -464,6 +483,8 @@ def tokenize_dataset(
     if len(records) == 0:
         raise ConfigError(f"data.path {data.path} holds no rows")
     input_format = detect_format(columns)
+    if input_format == "input_ids":
+        _check_number_columns(records.features, data.path)
     if routing.field not in columns and routing.default_teacher is None:
         raise ConfigError(
             f"dataset has no routing column {routing.field!r} (columns: {sorted(columns)}); add it, set "

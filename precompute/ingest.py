@@ -27,11 +27,13 @@ from typing import Any
 
 import pyarrow as pa
 
+from mopd.base import faults
 from mopd.base.errors import ConfigError
 from mopd.base.fsio import files_digest, fsync_path, is_temporary
 from mopd.base.jsonio import parse_json
 from mopd.config.precompute import DataConfig, RoutingConfig
-from mopd.precompute.data import TokenizedRows, load_records, tokenize_dataset
+from mopd.precompute.data import TokenizedRows, tokenize_dataset
+from mopd.precompute.records import load_records
 from mopd.store.fingerprint import TOKENIZER_FILES
 from mopd.store.manifest import canonical_json
 from mopd.store.provenance import INGEST_RECORD
@@ -89,10 +91,16 @@ def _publish(rows: TokenizedRows, inputs: dict[str, Any], work: Path, folder: Pa
     # random fingerprint there): the file's bytes are a function of the rows alone, so every job that
     # ingests publishes the same file.
     table = rows.table.replace_schema_metadata(None)
-    with pa.OSFile(str(work / ROWS_FILE), "wb") as sink, pa.ipc.new_file(sink, table.schema) as out:
+    rows_file = work / ROWS_FILE
+    with (
+        faults.io("write", rows_file),
+        pa.OSFile(str(rows_file), "wb") as sink,
+        pa.ipc.new_file(sink, table.schema) as out,
+    ):
         for start in range(0, table.num_rows, _BATCH_ROWS):
             out.write_batch(table.slice(start, _BATCH_ROWS).combine_chunks().to_batches()[0])
-    (work / INGEST_RECORD).write_bytes(canonical_json({"inputs": inputs, "rows": rows.meta}))
+    with faults.io("write", work / INGEST_RECORD):
+        (work / INGEST_RECORD).write_bytes(canonical_json({"inputs": inputs, "rows": rows.meta}))
     del table
     for path in work.glob("map*.arrow"):  # unlinked while the caller's rows still map them: Linux keeps
         path.unlink()  # a mapped file's pages until the mapping goes
@@ -144,18 +152,19 @@ def ingest(
     work.mkdir()
     try:
         started = time.perf_counter()
-        rows = tokenize_dataset(
-            load_records(data.path),
-            data=data,
-            routing=routing,
-            agent_to_alias=agent_to_alias,
-            alias_index=alias_index,
-            tokenizer=load_tokenizer(),
-            contexts=contexts,
-            num_proc=num_proc,
-            show_progress=show_progress,
-            cache_file=work / "map.arrow",
-        )
+        with faults.io("write", work / "map.arrow", unnamed_only=True):  # the map's buffered output
+            rows = tokenize_dataset(
+                load_records(data.path),
+                data=data,
+                routing=routing,
+                agent_to_alias=agent_to_alias,
+                alias_index=alias_index,
+                tokenizer=load_tokenizer(),
+                contexts=contexts,
+                num_proc=num_proc,
+                show_progress=show_progress,
+                cache_file=work / "map.arrow",
+            )
         _publish(rows, inputs, work, folder)
         del rows  # the map's files went; the published copy is read back memory-mapped
         seconds = time.perf_counter() - started

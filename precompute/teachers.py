@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,20 +49,36 @@ def resolve_teachers(teachers: Mapping[str, str], tokenizer: str | None = None) 
             )
     tokenizer_path = tokenizer_checkpoint(teachers, tokenizer)
     expected = vocab_hash(tokenizer_path)
+    fingerprints, contexts = {}, {}
     for slot in slots:
-        if vocab_hash(slot.checkpoint) != expected:
-            raise ConfigError(
-                f"teachers.{slot.aliases[0]} ({slot.checkpoint}) has a different tokenizer vocabulary than "
-                f"{tokenizer_path}; all teachers and the student must share one vocabulary"
-            )
+        with _naming(slot):
+            if vocab_hash(slot.checkpoint) != expected:
+                raise ConfigError(
+                    f"teachers.{slot.aliases[0]} ({slot.checkpoint}) has a different tokenizer vocabulary "
+                    f"than {tokenizer_path}; all teachers and the student must share one vocabulary"
+                )
+            fingerprints[slot.index] = checkpoint_fingerprint(slot.checkpoint)
+            if (context := context_length(slot.checkpoint)) is not None:
+                contexts[slot.index] = context
     return TeacherSet(
         slots=slots,
-        fingerprints={slot.index: checkpoint_fingerprint(slot.checkpoint) for slot in slots},
+        fingerprints=fingerprints,
         tokenizer_path=tokenizer_path,
         vocab_hash=expected,
         vocab_size=len(tokenizer_vocab(tokenizer_path)),
-        contexts={slot.index: n for slot in slots if (n := context_length(slot.checkpoint)) is not None},
+        contexts=contexts,
     )
+
+
+@contextmanager
+def _naming(slot: TeacherSlot) -> Iterator[None]:
+    """A refusal of the teacher's checkpoint names the config key that chose it."""
+    try:
+        yield
+    except ConfigError as err:
+        if str(err).startswith("teachers."):
+            raise
+        raise ConfigError(f"teachers.{slot.aliases[0]}: {err}") from err
 
 
 # Where model configs state how many positions the model was built for.

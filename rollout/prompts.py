@@ -15,7 +15,8 @@ from typing import Any, Literal
 from mopd.base.errors import ConfigError
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.rollout import RolloutConfig
-from mopd.precompute.data import load_records, render_chat
+from mopd.precompute.data import render_chat
+from mopd.precompute.records import load_records
 
 PromptFormat = Literal["prompt", "messages"]
 
@@ -104,7 +105,7 @@ def read_prompts(config: MopdConfig, rollout: RolloutConfig, tokenizer: Any, *, 
         ConfigError: no prompt column, an empty prompt, a chat that does not end with the user, no
             routing column (and no default teacher), or no room for any completion.
     """
-    records = load_records(path)
+    records = load_records(path, key="rollout.prompts")
     columns = list(records.column_names)
     fmt = prompt_format(columns, path=path)
     probe = [{"role": "user", "content": "?"}]

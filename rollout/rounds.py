@@ -29,7 +29,8 @@ from mopd.base.fsio import write_replace, write_replace_with
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.rollout import RoundsConfig
 from mopd.config.train import InitFromConfig, TrainConfig
-from mopd.precompute.data import load_records, tokenize_dataset
+from mopd.precompute.data import tokenize_dataset
+from mopd.precompute.records import load_records
 from mopd.precompute.runner import run_precompute
 from mopd.precompute.teachers import load_tokenizer, tokenizer_checkpoint
 from mopd.rollout.runner import run_rollout

@@ -35,6 +35,11 @@ teachers:
             "data: {path: d.jsonl}\ntrain: {student: s, teacher_weights: {math: true}}",
             "`train.teacher_weights`: math: true is a boolean",
         ),
+        (
+            "data: {path: d.jsonl}\ntrain: {student: s, seed: '1'}",
+            "`train.seed`: '1' is text, not a number (write it without quotes)",
+        ),
+        ("data: {path: d.jsonl, max_length: '96'}", "`data.max_length`: '96' is text, not a number"),
         ("data: {path: d.jsonl}\nstore: {path: ''}", "`store.path`: String should have at least 1 character"),
         ("data: {path: ''}", "`data.path`: String should have at least 1 character"),
         (

@@ -193,3 +193,33 @@ def test_every_row_holds_its_formats_columns(
 ) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", [{"agent": "math", **row} for row in rows])
     assert_refused(write_config(tmp_path, teachers, data=data), message)
+
+
+def test_a_teacher_folder_without_weights_names_its_key(tmp_path: Path, teachers: dict[str, Path]) -> None:
+    import shutil
+
+    data = write_jsonl(tmp_path / "d.jsonl", mixed_records(4))
+    empty = Path(shutil.copytree(teachers["code"], tmp_path / "no-weights"))
+    for weights in empty.glob("*.safetensors*"):
+        weights.unlink()
+    config = write_config(tmp_path, {**teachers, "code": empty}, data=data)
+    assert_refused(config, f"teachers.code: {empty} has no model.safetensors or model.safetensors.index.json")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (
+            b'{"agent": "math", "text": "fine"}\n{"agent": "math", "text": "caf\xe9"}\n',
+            ": line 2 is not UTF-8",
+        ),
+        (b"", " holds no rows"),
+    ],
+    ids=["not-utf8", "empty"],
+)
+def test_a_data_file_that_is_not_text_or_holds_nothing(
+    tmp_path: Path, teachers: dict[str, Path], content: bytes, message: str
+) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(content)
+    assert_refused(write_config(tmp_path, teachers, data=data), f"data.path {data}{message}")

@@ -130,3 +130,27 @@ def test_overlong_prompts_follow_data_overlong(models: Models, tmp_path: Path) -
     fails_with(
         rollout_config(tmp_path / "chat", models, chats), "row 1: its chat prompt has", "overlong: drop"
     )
+
+
+def test_an_empty_prompts_file_names_its_key(models: Models, tmp_path: Path) -> None:
+    config = rollout_config(tmp_path, models, [])
+    fails_with(config, f"rollout.prompts {tmp_path / 'prompts.jsonl'} holds no rows")
+
+
+def test_chat_prompts_need_a_chat_template(models: Models, tmp_path: Path) -> None:
+    """A tokenizer without a chat template (the `tokenizer` key's) cannot render `messages` prompts: one
+    line naming it, before any sampling."""
+    import json
+    import shutil
+
+    plain = Path(shutil.copytree(models.student, tmp_path / "plain-tokenizer"))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    settings = json.loads((plain / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(settings))
+    config = rollout_config(tmp_path, models, chat_prompts(2))
+    raw = yaml.safe_load(config.read_text())
+    raw["tokenizer"] = str(plain)
+    config.write_text(yaml.safe_dump(raw))
+    fails_with(config, f"the tokenizer {plain} has no chat template, which `messages` rows need")
+    assert not (tmp_path / "samples.parquet").exists()

@@ -16,7 +16,8 @@ import torch
 
 from mopd.config.mopd_config import load_config
 from mopd.config.precompute import DataConfig, RoutingConfig
-from mopd.precompute.data import load_records, tokenize_dataset
+from mopd.precompute.data import tokenize_dataset
+from mopd.precompute.records import load_records
 from mopd.precompute.teachers import load_tokenizer
 from mopd.rollout.runner import run_rollout
 from tests.rollout.conftest import Models, chat_prompts, rollout_config, text_prompts
