@@ -83,6 +83,9 @@ def io(op: str, path: object, *, unnamed_only: bool = False) -> Iterator[None]:
     """
     try:
         _inject(op, path)
+    except OSError as err:
+        raise OSError(err.errno, f"{op} failed: {err.strerror}", err.filename) from err
+    try:
         yield
     except OSError as err:
         if (err.strerror and err.strerror.startswith(f"{op} failed")) or (unnamed_only and err.filename):

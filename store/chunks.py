@@ -21,6 +21,7 @@ every chunk the checksum listed beside the shard (see `files.py`). It never foll
 from __future__ import annotations
 
 import functools
+import json
 import os
 import threading
 from collections import OrderedDict
@@ -36,7 +37,7 @@ from numcodecs import blosc
 from mopd.base.errors import StoreIntegrityError
 from mopd.base.fsio import LINK_REFUSED
 from mopd.base.jsonio import MAX_RECORD_BYTES, parse_json
-from mopd.store.files import COPIED, CRC_FILE, Recorded, plain_stat, read_file, read_ranges
+from mopd.store.files import COPIED, CRC_FILE, Recorded, open_plain, plain_stat, read_file
 
 # crc32c(data + its crc32c as 4 little-endian bytes) is this constant for any data: a chunk is
 # checked in one pass over its bytes, trailer included, with no copy.
@@ -78,10 +79,10 @@ def _codec_chain(codecs: list[dict[str, Any]]) -> tuple[tuple[str, ...], str]:
     return chain, endian
 
 
-def array_header(path: str, label: str) -> tuple[tuple[int, ...], str]:
-    """(shape, zarr data type) from the zarr.json of the array at `path`: what `verify-manifest` checks
-    of every array, read without opening it (a store of 10k shards holds 30k of them, most of them
-    byte-identical: each distinct header is parsed once).
+def array_header(path: str, label: str) -> tuple[tuple[int, ...], str, bytes]:
+    """(shape, zarr data type, the file's bytes) from the zarr.json of the array at `path`: what
+    `verify-manifest` checks of every array, read without opening it (a store of 10k shards holds 30k
+    of them, most of them byte-identical: each distinct header is parsed once).
 
     Raises:
         FileNotFoundError: there is no zarr.json.
@@ -89,9 +90,54 @@ def array_header(path: str, label: str) -> tuple[tuple[int, ...], str]:
     """
     data = _header_bytes(path, label)
     try:
-        return _parse_header(data)
+        return (*_parse_header(data), data)
     except StoreIntegrityError as err:
         raise StoreIntegrityError(f"{label}/{err}") from err
+
+
+def check_recorded_chunks(path: str, label: str, recorded: Recorded, header: bytes) -> None:
+    """Without decoding a chunk: the array's zarr.json (`header`), shard index and every chunk's checksum
+    are the ones its part record lists (format 4; what the default `verify-manifest` checks of each
+    array). One open of the list and one of the shard, whose size comes from the record.
+
+    Raises:
+        StoreIntegrityError: naming the file and the first chunk that differs.
+    """
+    recorded.check("zarr.json", header, f"{label}/zarr.json")
+    shard = next((rel for rel in recorded.files if rel.startswith("c/")), None)
+    if shard is None:
+        return  # an array of no rows has no shard, and no list
+    listed = os.path.join(path, CRC_FILE)
+    where = f"{label}/{CRC_FILE}"
+    try:
+        crcs = read_file(Path(listed), where, limit=recorded.files.get(CRC_FILE, (0,))[0] + 1)
+    except FileNotFoundError:
+        raise StoreIntegrityError(f"{where} is missing; the store is damaged") from None
+    recorded.check(CRC_FILE, crcs, where)
+    chunks, size = len(crcs) // 4 - 1, recorded.files[shard][0]
+    file = Path(path, shard)
+    where = f"{label}: shard ({file})"
+    index_bytes = 16 * chunks + 4
+    fd = open_plain(file, where)
+    try:
+        raw = os.pread(fd, index_bytes, max(0, size - index_bytes))
+        if len(raw) != index_bytes or raw[-4:] != crcs[-4:] or google_crc32c.value(raw) != _CRC32C_RESIDUE:
+            raise StoreIntegrityError(f"{where}: its index is not the one the store recorded ({COPIED})")
+        entries = np.frombuffer(raw[:-4], dtype="<u8").reshape(chunks, 2)
+        ends = entries[:, 0] + entries[:, 1]
+        if (entries[:, 0] == _NO_CHUNK).any() or (ends > size - index_bytes).any():
+            raise StoreIntegrityError(f"{where}: its index lists a chunk that is not there")
+        trailers = b"".join(os.pread(fd, 4, offset + n - 4) for offset, n in entries.tolist())
+    except OSError as err:
+        raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
+    finally:
+        os.close(fd)
+    differ = np.flatnonzero(np.frombuffer(trailers, "<u4") != np.frombuffer(crcs[:-4], "<u4"))
+    if differ.size:
+        raise StoreIntegrityError(
+            f"{label}: chunk {int(differ[0])} ({file}) is not the chunk the store recorded "
+            f"({differ.size} of {chunks} differ: {COPIED})"
+        )
 
 
 def _header_bytes(path: str | Path, label: str) -> bytes:
@@ -120,9 +166,11 @@ def _layout(path: Path, label: str, recorded: Recorded | None) -> _Layout:
         data = _header_bytes(path, label)
     except FileNotFoundError:
         raise StoreIntegrityError(f"{label}: the array's zarr.json is missing") from None
-    if recorded is not None:
+    if recorded is not None:  # the bytes the writer wrote (their sha256 is recorded): a plain parse
         recorded.check("zarr.json", data, f"{label}/zarr.json")
-    meta = parse_json(data, what=f"{label}/zarr.json", error=StoreIntegrityError)
+        meta = json.loads(data)
+    else:
+        meta = parse_json(data, what=f"{label}/zarr.json", error=StoreIntegrityError)
     try:
         shape = tuple(int(n) for n in meta["shape"])
         grid = meta["chunk_grid"]
@@ -356,29 +404,6 @@ class ArrayReader:
                 raise StoreIntegrityError(f"{where}: its index points past the chunk data (truncated)")
             _INDEXES.put(key, entries)
         return file, identity, entries
-
-    def check_recorded(self) -> None:
-        """Without decoding a chunk: the shard index and every chunk's checksum are the recorded ones
-        (format 4; what the default `verify-manifest` checks of each array).
-
-        Raises:
-            StoreIntegrityError: naming the file and the first chunk that differs.
-        """
-        if self._layout.chunks_per_shard is None or not self.shape[0]:
-            return
-        file, _identity, entries = self._shard_index()
-        assert self._crcs is not None, "check_recorded needs a recorded, bound array"
-        where = f"{self.label}: shard ({file})"
-        if (entries[:, 0] == _NO_CHUNK).any():
-            raise StoreIntegrityError(f"{where}: its index lists a chunk as never written")
-        trailers = read_ranges(file, where, [(offset + size - 4, 4) for offset, size in entries.tolist()])
-        found = np.frombuffer(b"".join(trailers), dtype="<u4")
-        differ = np.flatnonzero(found != self._crcs[:-1])
-        if differ.size:
-            raise StoreIntegrityError(
-                f"{self.label}: chunk {int(differ[0])} ({file}) is not the chunk the store recorded "
-                f"({differ.size} of {found.size} differ: {COPIED})"
-            )
 
     def _chunk_crcs(self, per_shard: int) -> np.ndarray:
         """The recorded crc32c of each inner chunk and of the shard index, from `CRC_FILE`."""

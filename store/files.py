@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,32 +65,37 @@ class Recorded:
             raise StoreIntegrityError(f"{where} holds {found} bytes, the store recorded {size} ({COPIED})")
 
 
-def read_ranges(file: Path, where: str, ranges: Iterable[tuple[int, int]]) -> list[bytes]:
-    """The bytes of each (offset, size) range of `file`, opened once and never through a symbolic link.
+def open_plain(file: Path, where: str) -> int:
+    """A descriptor of `file` opened for reading, never through a symbolic link.
 
     Raises:
         FileNotFoundError: there is no such file.
-        StoreIntegrityError: it is a symbolic link, or cannot be read.
+        StoreIntegrityError: it is a symbolic link, or cannot be opened.
     """
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW)
+        return os.open(file, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise
     except OSError as err:
         if os.path.islink(file):
             raise StoreIntegrityError(f"{where}: {LINK_REFUSED}") from None
         raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
+
+
+def read_file(file: Path, where: str, *, limit: int, offset: int = 0) -> bytes:
+    """Up to `limit` bytes of `file` from `offset`, never through a symbolic link.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        StoreIntegrityError: it is a symbolic link, or cannot be read.
+    """
+    fd = open_plain(file, where)
     try:
-        return [os.pread(fd, size, offset) for offset, size in ranges]
+        return os.pread(fd, limit, offset)
     except OSError as err:
         raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
     finally:
         os.close(fd)
-
-
-def read_file(file: Path, where: str, *, limit: int, offset: int = 0) -> bytes:
-    """Up to `limit` bytes of `file` from `offset`, never through a symbolic link (see `read_ranges`)."""
-    return read_ranges(file, where, [(offset, limit)])[0]
 
 
 def plain_stat(file: Path, where: str, *, missing_ok: bool) -> os.stat_result | None:

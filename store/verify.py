@@ -22,7 +22,7 @@ from mopd.base.completion import check_complete
 from mopd.base.errors import ConfigError, MopdError
 from mopd.base.fsio import LINK_REFUSED, SafePaths, is_temporary, sha256_file
 from mopd.store.arrays import storage_dtype
-from mopd.store.chunks import ArrayReader, array_header
+from mopd.store.chunks import array_header, check_recorded_chunks
 from mopd.store.files import Recorded
 from mopd.store.fingerprint import fingerprint_for_format
 from mopd.store.layout import artifact_arrays
@@ -210,39 +210,27 @@ def _check_block(
     paths = SafePaths(root, links=False)
     problems: list[str] = []
     to_hash: list[tuple[Path, str, str]] = []
+    bound = manifest.format_version >= BOUND_FROM_VERSION
     for artifact in artifacts:
         found, files, part = _check_artifact(paths, manifest, artifact)
-        found += _check_shapes(root, manifest, artifact)
-        if not found and part is not None and manifest.format_version >= BOUND_FROM_VERSION:
-            found += _check_bound(root, manifest, artifact, part)
+        found += _check_arrays(root, manifest, artifact, part if bound and not found else None)
         problems += found
         to_hash += files
     return problems, to_hash
 
 
-def _check_bound(root: Path, manifest: Manifest, artifact: ArtifactRecord, part: PartRecord) -> list[str]:
-    """Each numeric array's zarr.json, shard index and chunk checksums are the ones its part record
-    lists (format 4), read without decoding a chunk."""
-    problems = []
-    for array in artifact_arrays(artifact, manifest):
-        if array.dtype == "string":
-            continue  # a zarr-python array of its own layout, hashed by `--full`
-        where = f"{artifact.path}/{array.name}".rstrip("/")
-        try:
-            recorded = Recorded.of(part.files, array.name, bound=True)
-            ArrayReader(root / where, label=where, recorded=recorded).check_recorded()
-        except MopdError as err:
-            problems.append(str(err))
-    return problems
-
-
-def _check_shapes(root: Path, manifest: Manifest, artifact: ArtifactRecord) -> list[str]:
-    """Each array of a task folder has the shape and dtype `layout.py` declares."""
+def _check_arrays(
+    root: Path, manifest: Manifest, artifact: ArtifactRecord, part: PartRecord | None
+) -> list[str]:
+    """Each array of a task folder has the shape and dtype `layout.py` declares; given its part record
+    (format 4), its zarr.json, shard index and chunk checksums are the recorded ones, read without
+    decoding a chunk."""
     problems = []
     for array in artifact_arrays(artifact, manifest):
         where = f"{artifact.path}/{array.name}".rstrip("/")
+        path = os.path.join(root, where)
         try:
-            shape, dtype = array_header(os.path.join(root, where), where)
+            shape, dtype, header = array_header(path, where)
         except FileNotFoundError:
             continue  # reported as a missing file or folder already
         except MopdError as err:
@@ -252,6 +240,11 @@ def _check_shapes(root: Path, manifest: Manifest, artifact: ArtifactRecord) -> l
             problems.append(f"{where}: shape {shape}, recorded {array.shape}")
         elif array.dtype != "string" and dtype != storage_dtype(array.dtype).name:
             problems.append(f"{where}: dtype {dtype}, the layout says {array.dtype}")
+        elif part is not None and array.dtype != "string":  # a string column: zarr-python's own layout
+            try:
+                check_recorded_chunks(path, where, Recorded.of(part.files, array.name, bound=True), header)
+            except MopdError as err:
+                problems.append(str(err))
     return problems
 
 
