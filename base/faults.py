@@ -9,8 +9,9 @@ store/arrays.py, store/writer.py, train/checkpoint.py):
 
 Points: `<what>-written` (a shard, checkpoint or record's bytes are on disk, not yet durable),
 `<what>-fsynced`, `<what>-renamed` (published), `<what>-linked` (a record created no-clobber), for
-`what` in shard, part, manifest, checkpoint; and `samples-renamed` (a rollout's part of samples is
-published). Operations: write, fsync, rename, link.
+`what` in shard, part, manifest, checkpoint; `checkpoint-shards-written` (every rank of a sharded
+student has written its shards, none of the checkpoint's own files yet); and `samples-renamed` (a
+rollout's part of samples is published). Operations: write, fsync, rename, link.
 """
 
 from __future__ import annotations

@@ -21,3 +21,11 @@ class ParallelConfig(Section):
                 "sequence_parallel splits the sequence over the tensor-parallel ranks: it needs tp ≥ 2"
             )
         return self
+
+
+class StudentParallelConfig(ParallelConfig):
+    """`train.parallel`: the teacher's layout settings, and how the fsdp backend shards."""
+
+    # fsdp backend: shard the student within groups of world / dp_replicate ranks (a node, say) and
+    # replicate it across the groups (HSDP); 1 shards over the whole world.
+    dp_replicate: int = Field(1, ge=1)

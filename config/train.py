@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from mopd.base.section import Device, NonEmpty, Section
-from mopd.config.parallel import ParallelConfig
+from mopd.config.parallel import StudentParallelConfig
 
 # The divergences the fused kernel computes (train/divergence.py takes its list from here).
 DivergenceKind = Literal["reverse_kl", "forward_kl", "jsd", "cross_entropy", "entropy", "tvd"]
@@ -75,8 +75,10 @@ class TrainConfig(Section):
     # Start this (new) run from another run's checkpoint: its weights, and with optimizer: true its
     # AdamW moments; the data order, schedule and step count start afresh. Never a resume.
     init_from: InitFromConfig | None = None
-    backend: Literal["hf", "megatron"] = "hf"
-    parallel: ParallelConfig = ParallelConfig()
+    # hf: a transformers student replicated on every rank; fsdp: the same student sharded with FSDP2
+    # (parameters, gradients and AdamW state split over the ranks); megatron: a megatron-core student.
+    backend: Literal["hf", "fsdp", "megatron"] = "hf"
+    parallel: StudentParallelConfig = StudentParallelConfig()
     divergence: DivergenceConfig = DivergenceConfig()
     teacher_weights: dict[str, float] = Field(default_factory=dict)
     lm_head_lifecycle: Literal["none", "offload", "evict"] = "offload"
@@ -85,8 +87,14 @@ class TrainConfig(Section):
     steps: int = Field(1000, gt=0)
     seed: int = Field(0, ge=0, lt=2**63)  # what torch.manual_seed and numpy's generators take
     device: Device = "auto"
-    # Student parameter dtype (AdamW state follows it).
+    # Student parameter dtype (AdamW state follows it). bfloat16 keeps weights and AdamW state in bf16,
+    # where most distillation-sized updates round away (the trainer warns with the figure); for bf16
+    # compute over fp32 weights use mixed_precision: bf16.
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # bf16: fp32 master weights and AdamW state, bf16 forward and backward, fp32 gradient reduction.
+    mixed_precision: Literal["none", "bf16"] = "none"
+    # Recompute each decoder block's activations in the backward instead of keeping them.
+    activation_checkpointing: bool = False
     # The vocabulary distilled over; default the tokenizer's length as the store records it (see
     # train/vocabulary.py). Set it only when the tokenizer's added tokens sit past the models' rows.
     vocab_size: int | None = Field(None, gt=0)
@@ -98,13 +106,30 @@ class TrainConfig(Section):
 
     @field_validator("parallel")
     @classmethod
-    def _hf_is_data_parallel_only(cls, parallel: ParallelConfig, info: ValidationInfo) -> ParallelConfig:
-        if info.data.get("backend") == "hf" and (parallel.tp > 1 or parallel.pp > 1):
+    def _hf_is_data_parallel_only(
+        cls, parallel: StudentParallelConfig, info: ValidationInfo
+    ) -> StudentParallelConfig:
+        backend = info.data.get("backend")
+        if backend in ("hf", "fsdp") and (parallel.tp > 1 or parallel.pp > 1):
             raise ValueError(
-                "the hf backend trains with data parallelism only (tp = pp = 1); tensor and pipeline "
-                "parallelism need train.backend megatron"
+                f"the {backend} backend trains with data parallelism only (tp = pp = 1); tensor and "
+                "pipeline parallelism need train.backend megatron"
+            )
+        if backend != "fsdp" and parallel.dp_replicate > 1:
+            raise ValueError(
+                "dp_replicate (sharding within groups of ranks, replicating across them) is for "
+                f"train.backend fsdp; the {backend} backend does not shard the student over data parallelism"
             )
         return parallel
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> TrainConfig:
+        if self.dtype == "bfloat16" and self.mixed_precision == "bf16":
+            raise ValueError(
+                "dtype bfloat16 with mixed_precision bf16: mixed precision keeps fp32 master weights; "
+                "set dtype: float32 (the default) with mixed_precision: bf16"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod

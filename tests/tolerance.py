@@ -69,6 +69,15 @@ def trajectory_rtol(steps: int, layers: int, width: int) -> float:
     return steps * 2 * forward_rtol(layers, width)
 
 
+def bf16_trajectory_rtol(steps: int, layers: int) -> float:
+    """One token's value (or a gradient norm) after `steps` steps of bf16 compute against the same run
+    in fp32. Each of a layer's 7 products rounds its two operands and its output to bf16 (it accumulates
+    in fp32, whose roundings are 2⁸ times smaller), 3·7·layers roundings of ≤ BF16_U adding like a
+    random walk (as in `forward_rtol`); the backward as many again (2×); k steps' differences add (as in
+    `trajectory_rtol`)."""
+    return steps * 2 * LAMBDA * math.sqrt(3 * MATMULS_PER_LAYER * layers) * BF16_U
+
+
 def mean_over(tokens: int, rtol: float) -> float:
     """A mean over `tokens` independent per-token errors of `rtol` each."""
     return rtol / math.sqrt(tokens)

@@ -16,6 +16,11 @@ and tokenizer files) and `optimizer-tpXX-ppYY.safetensors`; `mopd export-hf` joi
 transformers checkpoint. The layout (backend, tp, pp) is in state.json, and a run resumes only a
 checkpoint of its own layout.
 
+An fsdp student's checkpoint holds its shards instead: `state/` is torch's distributed checkpoint of
+the weights and AdamW state (one `__<rank>_0.distcp` file per rank, written by that rank, and a
+`.metadata` index) and `model/` the student's config and tokenizer files. It loads on any rank count
+(the shards are re-cut), and `mopd export-hf` reads it whole into a transformers checkpoint.
+
 A checkpoint is written under a temporary name, fsynced, and published by a rename, so a crash leaves
 either nothing or a complete checkpoint; the temporaries of killed saves are removed when the run
 resumes. Retention deletes only older complete checkpoints, never the newest one.
@@ -44,9 +49,11 @@ from mopd.base.jsonio import describe_location, read_json
 from mopd.store.teachers import TeacherIdentity, write_teacher_list
 from mopd.train.data_order import LoaderState
 from mopd.train.distributed import RankGroup
+from mopd.train.fsdp_student import FSDPStudent
 from mopd.train.student import TrainStudent
 
 _NAME = re.compile(r"^step_(\d{8})$")
+SHARDED_STATE = "state"  # a sharded student's weights and AdamW state (torch.distributed.checkpoint)
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,13 @@ def save_checkpoint(
         (made / "model").mkdir(parents=True)
     temp = Path(world.broadcast_object(str(made)))
     try:
-        if student.writes_checkpoint_shard:
+        if isinstance(student, FSDPStudent):
+            with faults.io("write", temp / "model"):
+                student.save(temp / "model")
+            with faults.io("write", temp / SHARDED_STATE):
+                student.save_sharded(temp / SHARDED_STATE, optimizer)
+            faults.point("checkpoint-shards-written")
+        elif student.writes_checkpoint_shard:
             with faults.io("write", temp / "model"):
                 student.save(temp / "model")
             optimizer_path = temp / optimizer_file(student.shard)
@@ -277,6 +290,13 @@ def load_weights(
     """The student's weights and, given an optimizer, its AdamW moments and step counts; with
     `hyper_parameters` also the checkpoint's learning rate and the rest (a resume), else the optimizer
     keeps its own (a new run started from the checkpoint)."""
+    if isinstance(student, FSDPStudent):
+        own = [dict(g) for g in optimizer.param_groups] if optimizer is not None else []
+        student.load_sharded(folder / SHARDED_STATE, optimizer)
+        if optimizer is not None and not hyper_parameters:  # keep this run's learning rate and the rest
+            for group, mine in zip(optimizer.param_groups, own, strict=True):
+                group.update({k: v for k, v in mine.items() if k != "params"})
+        return
     student.load_weights(folder / "model")
     if optimizer is None:
         return

@@ -32,13 +32,19 @@ class RankGroup:
     owns_group: bool = False
 
     @classmethod
-    def from_environment(cls, device: torch.device) -> RankGroup:
-        """The default process group: the one already initialised, or one from torchrun's variables."""
+    def from_environment(cls, device: torch.device, *, always: bool = False) -> RankGroup:
+        """The default process group: the one already initialised, or one from torchrun's variables.
+        Outside torchrun there is none, unless `always` asks for a world of one (for engines that need
+        a process group even on one rank, FSDP's)."""
         if dist.is_available() and dist.is_initialized():
             return cls(dist.get_rank(), dist.get_world_size())
+        backend = "nccl" if device.type == "cuda" else "gloo"
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-            return cls()
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            if not always:
+                return cls()
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            return cls(owns_group=True)
+        dist.init_process_group(backend)
         return cls(dist.get_rank(), dist.get_world_size(), owns_group=True)
 
     @property

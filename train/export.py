@@ -3,19 +3,21 @@
 An hf-backend checkpoint already holds one (`model/`), which is copied. A megatron-backend checkpoint
 holds one weights file per tensor-parallel slice and pipeline stage in Megatron's names; they are joined
 by mopd's weight conversion (`mopd.mcore.convert.megatron_to_hf`, bit-exact, vocabulary padding
-dropped) into the student's own architecture. Needs no process group and no megatron-core.
+dropped) into the student's own architecture. An fsdp-backend checkpoint holds its shards as torch's
+distributed checkpoint, read whole in this one process. Needs no process group and no megatron-core.
 """
 
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 from safetensors.torch import load_file
 
 from mopd.base.errors import ConfigError, MopdError
 from mopd.base.fsio import publish_dir, unique_temp_name
-from mopd.train.checkpoint import COMPLETE, complete_checkpoints, read_state
+from mopd.train.checkpoint import COMPLETE, SHARDED_STATE, complete_checkpoints, read_state
 from mopd.train.student import load_student_tokenizer, save_tokenizer
 
 
@@ -63,6 +65,23 @@ def _join_megatron_shards(model_dir: Path, tp: int, pp: int, folder: Path) -> No
     save_tokenizer(load_student_tokenizer(model_dir), folder)
 
 
+def _gather_fsdp_shards(checkpoint: Path, dtype: str, folder: Path) -> None:
+    """The whole student from an fsdp checkpoint's shards (read in one process, no process group)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(checkpoint / "model")
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # one process reading every shard is what is meant here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=checkpoint / SHARDED_STATE, no_dist=True)
+    model.load_state_dict(state["model"])
+    model.save_pretrained(folder)
+    save_tokenizer(load_student_tokenizer(checkpoint / "model"), folder)
+
+
 def export_hf(checkpoint: Path, output: Path) -> Path:
     """Writes the student of `checkpoint` (or of a run folder's latest checkpoint) to `output`, a new
     folder that transformers' `from_pretrained` loads. Returns the checkpoint exported.
@@ -74,12 +93,15 @@ def export_hf(checkpoint: Path, output: Path) -> Path:
     output = Path(output)
     if output.exists() and any(output.iterdir()):
         raise ConfigError(f"export: {output} already exists and is not empty; choose a new folder")
-    layout = read_state(checkpoint).layout
+    state = read_state(checkpoint)
+    layout = state.layout
     temp = unique_temp_name(output)
     temp.mkdir(parents=True)
     try:
         if layout["backend"] == "megatron":
             _join_megatron_shards(checkpoint / "model", int(layout["tp"]), int(layout["pp"]), temp)
+        elif layout["backend"] == "fsdp":
+            _gather_fsdp_shards(checkpoint, str(state.run.get("train.dtype", "float32")), temp)
         else:
             shutil.copytree(checkpoint / "model", temp, dirs_exist_ok=True)
         if output.exists():

@@ -75,6 +75,8 @@ def read_microbatches(
     decoded once however the rows fall into microbatches. Without `with_teacher_states` (a pipeline stage
     that computes no loss) the teacher states are not read.
     """
+    if not microbatch_rows:  # a step with fewer rows than data-parallel ranks leaves some with none
+        return []
     every = np.concatenate(microbatch_rows).astype(np.int64)
     stored = store.rows(every)
     trained = np.array([with_teacher_states and bool(row.loss_mask.any()) for row in stored], dtype=bool)

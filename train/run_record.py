@@ -7,9 +7,12 @@ Settings that may change on resume (they touch neither the data order nor the ob
 - `train.steps` (the learning-rate schedule is recomputed for the new total),
 - `train.checkpoint.every`, `train.checkpoint.keep`, `train.output_dir`,
 - `train.eval.every`, `train.device`, `train.lm_head_lifecycle`,
-- `train.divergence.chunk_size`, `train.divergence.compile` and `train.parallel.sequence_parallel`
-  (memory and speed: they change only the order in which the same sums are taken),
-- `train.student` and `train.init_from` (a resumed run's weights come from its checkpoint).
+- `train.divergence.chunk_size`, `train.divergence.compile`, `train.parallel.sequence_parallel`,
+  `train.parallel.dp_replicate` and `train.activation_checkpointing` (memory and speed: they change
+  only the order in which the same sums are taken, or recompute the same values),
+- `train.student` and `train.init_from` (a resumed run's weights come from its checkpoint),
+- the number of ranks (the data order and the loss do not depend on it; an fsdp or hf checkpoint loads
+  on any rank count, a megatron one on another data-parallel size of its tp × pp layout).
 
 Continuing on other data or with another objective is a new run started from the checkpoint with
 `train.init_from`, never a resume.
@@ -36,6 +39,8 @@ RESUMABLE = frozenset(
         "train.divergence.chunk_size",
         "train.divergence.compile",
         "train.parallel.sequence_parallel",
+        "train.parallel.dp_replicate",
+        "train.activation_checkpointing",
         "train.student",
         "train.init_from",
         "train.prefetch",
@@ -53,21 +58,25 @@ def _flatten(prefix: str, section: BaseModel, out: dict[str, Any]) -> None:
             out[f"{prefix}.{name}"] = TypeAdapter(Any).dump_python(value, mode="json")
 
 
-def run_record(tc: TrainConfig, manifest: Manifest, *, data_parallel_size: int) -> dict[str, Any]:
+# Recorded by earlier versions, no longer compared: the data order and the loss do not depend on the
+# number of data-parallel ranks (`data_order.py`), so a run resumes on another rank count.
+NO_LONGER_COMPARED = frozenset({"data_parallel_size"})
+
+
+def run_record(tc: TrainConfig, manifest: Manifest) -> dict[str, Any]:
     """The fields a resume must find unchanged, as dotted names → JSON values."""
     fields: dict[str, Any] = {}
     _flatten("train", tc, fields)
     fields = {k: v for k, v in fields.items() if not any(k == r or k.startswith(r + ".") for r in RESUMABLE)}
     fields["store.manifest_hash"] = manifest.hash()
     fields["store.dataset_fingerprint"] = manifest.dataset.fingerprint
-    fields["data_parallel_size"] = data_parallel_size
     return dict(sorted(fields.items()))
 
 
 def diff_run_records(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """One line per field whose value differs: `name: A in the checkpoint, B now`."""
     lines = []
-    for name in sorted(set(recorded) | set(current)):
+    for name in sorted((set(recorded) | set(current)) - NO_LONGER_COMPARED):
         old, new = recorded.get(name, "(not recorded)"), current.get(name, "(not set)")
         if old != new:
             lines.append(f"{name}: {_show(old)} in the checkpoint, {_show(new)} now")

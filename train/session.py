@@ -128,7 +128,7 @@ def open_session(config: MopdConfig, *, store_path: str | Path | None = None, lo
     with ExitStack() as exits:
         check_device(tc.device, key="train.device")
         device = rank_device(tc.device)
-        world = exits.enter_context(RankGroup.from_environment(device))
+        world = exits.enter_context(RankGroup.from_environment(device, always=tc.backend == "fsdp"))
         log = log if world.rank == 0 else _silent
         torch.manual_seed(tc.seed)
         store = open_store(store_path or config.store.path)
@@ -185,10 +185,34 @@ def _load_student(tc: TrainConfig, device: torch.device, world: RankGroup, exits
         from mopd.mcore.parallel import ModelParallelGroup
         from mopd.train.megatron_student import MegatronStudent
 
+        if tc.mixed_precision != "none" or tc.activation_checkpointing:
+            raise ConfigError(
+                "train.mixed_precision and train.activation_checkpointing are not built for the megatron "
+                "backend yet; use train.backend fsdp or hf for them"
+            )
         group = exits.enter_context(ModelParallelGroup.start(tc.parallel, device, what="train.parallel"))
         student: TrainStudent = MegatronStudent(tc.student, group=group, dtype=dtype)
+    elif tc.backend == "fsdp":
+        from mopd.train.fsdp_student import FSDPStudent
+
+        student = FSDPStudent(
+            tc.student,
+            device=device,
+            dtype=dtype,
+            dp=world,
+            replicate=tc.parallel.dp_replicate,
+            mixed_precision=tc.mixed_precision == "bf16",
+            activation_checkpointing=tc.activation_checkpointing,
+        )
     else:
-        student = HFStudent(tc.student, device=device, dtype=dtype, dp=world)
+        student = HFStudent(
+            tc.student,
+            device=device,
+            dtype=dtype,
+            dp=world,
+            mixed_precision=tc.mixed_precision == "bf16",
+            activation_checkpointing=tc.activation_checkpointing,
+        )
     exits.callback(student.close)
     return student
 

@@ -116,11 +116,21 @@ class HFStudent:
     tp_group = None
 
     def __init__(
-        self, checkpoint: str | Path, *, device: torch.device, dtype: torch.dtype, dp: RankGroup
+        self,
+        checkpoint: str | Path,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        dp: RankGroup,
+        mixed_precision: bool = False,
+        activation_checkpointing: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         self.dp = dp
+        self.device = device
+        # bf16 compute over fp32 weights (torch.autocast); the loss gets bf16 states and head.
+        self.compute_dtype = torch.bfloat16 if mixed_precision else None
         self.writes_checkpoint_shard = dp.rank == 0  # the replicas are identical: one writes
         self.checkpoint = Path(checkpoint)
         if not self.checkpoint.is_dir():
@@ -148,6 +158,9 @@ class HFStudent:
             raise ConfigError(f"train.student: {self.checkpoint} has no bias-free linear output layer")
         self.backbone = self.model.base_model
         self.tokenizer = load_student_tokenizer(self.checkpoint)
+        if activation_checkpointing:  # each decoder block recomputes its activations in the backward
+            self.model.config.use_cache = False  # no generation cache while training (they conflict)
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     @property
     def head(self) -> torch.nn.Parameter:
@@ -183,11 +196,12 @@ class HFStudent:
         """Forward (and, unless `forward_only`, backward) of each microbatch in turn; returns what
         `loss_fn` gave back for each. Microbatches need `input_ids`, `attention_mask` and `loss_mask`."""
         returned = []
-        device = self.head.device
+        device = self.device
         with torch.no_grad() if forward_only else nullcontext():
             for mb in microbatches:
                 hidden = self.hidden_states(mb.input_ids.to(device), mb.attention_mask.to(device))
-                loss, extra = loss_fn(hidden[mb.loss_mask.to(device)], self.head, mb)
+                head = self.head if self.compute_dtype is None else self.head.to(self.compute_dtype)
+                loss, extra = loss_fn(hidden[mb.loss_mask.to(device)], head, mb)
                 if not forward_only:
                     loss.backward()
                 returned.append(extra)
@@ -203,7 +217,15 @@ class HFStudent:
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, L, H] final hidden states (after the last norm), the output layer's input."""
-        return self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        with self.autocast():
+            hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return hidden if self.compute_dtype is None else hidden.to(self.compute_dtype)
+
+    def autocast(self) -> Any:
+        """bf16 compute under `mixed_precision` (weights stay fp32), else nothing."""
+        if self.compute_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def check_compatible(self, manifest: Manifest) -> None:
         """Refuses a student whose tokenizer differs from the store's teachers'."""

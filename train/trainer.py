@@ -48,6 +48,7 @@ from mopd.train.metrics import (
     step_line,
 )
 from mopd.train.objective import StepStats
+from mopd.train.precision import pure_bf16_warning, unchanged_share
 from mopd.train.resume import RunIdentity, init_checkpoint, resume_checkpoint
 from mopd.train.run_record import run_record
 from mopd.train.session import Log, open_session
@@ -157,13 +158,15 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.student.parameters(), lr=tc.optim.lr, weight_decay=tc.optim.weight_decay
         )
+        if tc.dtype == "bfloat16":
+            self.log(pure_bf16_warning(unchanged_share(self.student.parameters(), tc.optim.lr), tc.optim.lr))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, warmup=tc.optim.warmup_steps, total=tc.steps)
         )
         self.identity = RunIdentity(
             store=self.store.root,
             teachers=session.teacher_list,
-            run=run_record(tc, self.store.manifest, data_parallel_size=session.replicas.size),
+            run=run_record(tc, self.store.manifest),
             layout=self.student.layout,
         )
 

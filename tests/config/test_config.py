@@ -50,6 +50,16 @@ def test_unknown_key_is_named(tmp_path: Path) -> None:
             "{student: s, parallel: {tp: 2}}",
             r"`train.parallel`: .*the hf backend trains with data parallelism",
         ),
+        (
+            "{student: s, backend: fsdp, parallel: {pp: 2}}",
+            r"`train.parallel`: .*the fsdp backend trains with data parallelism",
+        ),
+        ("{student: s, parallel: {dp_replicate: 2}}", r"dp_replicate .* is for train.backend fsdp"),
+        (
+            "{student: s, dtype: bfloat16, mixed_precision: bf16}",
+            r"mixed precision keeps fp32 master weights; set dtype: float32",
+        ),
+        ("{student: s, mixed_precision: fp16}", r"`train.mixed_precision`: Input should be 'none' or 'bf16'"),
     ],
 )
 def test_bad_value_is_named(tmp_path: Path, train: str, message: str) -> None:

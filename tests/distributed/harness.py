@@ -95,14 +95,19 @@ def run_distributed(
 
 
 def run_torchrun(
-    mopd_args: list[str], *, nproc: int, timeout: float = 300.0, env: dict[str, str] | None = None
+    mopd_args: list[str],
+    *,
+    nproc: int,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+    fails: bool = False,
 ) -> str:
     """`torchrun --standalone --nproc-per-node N -m mopd.cli ARGS` (one thread per rank unless
     OMP_NUM_THREADS says otherwise, `env` added to the environment); returns its stderr (where mopd logs).
 
     Raises:
         AssertionError: the launch failed (with the first traceback, usually the failing rank's own,
-            and the end of the output).
+            and the end of the output); with `fails`, the launch succeeded (a failing one returns).
     """
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     done = subprocess.run(
@@ -112,6 +117,10 @@ def run_torchrun(
         text=True,
         timeout=timeout,
     )
+    if fails:
+        if done.returncode == 0:
+            raise AssertionError(f"torchrun succeeded, a failure was expected:\n{done.stderr[-2000:]}")
+        return done.stderr
     if done.returncode != 0:
         raise AssertionError(
             f"torchrun exited {done.returncode}\n{first_failure(done.stderr)}\n...\n{done.stderr[-2000:]}"

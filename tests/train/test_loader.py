@@ -72,6 +72,11 @@ def test_an_epoch_trains_every_row_once_across_ranks(world: World) -> None:
     assert sorted(seen) == list(range(store.num_rows))
 
 
+def test_a_rank_without_rows_in_a_step_reads_no_microbatches(world: World) -> None:
+    """A step of fewer rows than ranks leaves a rank none: it gets an empty step, not an error."""
+    assert read_microbatches(open_store(world.store), []) == []
+
+
 def test_resuming_from_a_state_continues_the_same_sequence(world: World) -> None:
     store = open_store(world.store)
     rows_of = lambda step: [mb.rows.tolist() for mb in step.microbatches]  # noqa: E731

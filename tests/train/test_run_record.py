@@ -89,12 +89,16 @@ def test_a_resume_with_more_steps_follows_the_new_schedule(world: World, tmp_pat
 def test_the_record_covers_every_setting_but_the_resumable_ones(world: World, tmp_path: Path) -> None:
     config = world_config(world, tmp_path, **BASE)
     assert config.train is not None
-    record = run_record(config.train, open_store(world.store).manifest, data_parallel_size=1)
-    assert {"train.seed", "train.dtype", "train.backend", "data_parallel_size"} <= set(record)
+    record = run_record(config.train, open_store(world.store).manifest)
+    assert {"train.seed", "train.dtype", "train.backend", "train.mixed_precision"} <= set(record)
     assert not any(name.startswith(tuple(RESUMABLE)) for name in record)
-    assert diff_run_records(record, {**record, "data_parallel_size": 2}) == [
-        "data_parallel_size: 1 in the checkpoint, 2 now"
+    assert diff_run_records(record, {**record, "train.mixed_precision": "bf16"}) == [
+        "train.mixed_precision: 'none' in the checkpoint, 'bf16' now"
     ]
+    # The rank count is not part of a run: a checkpoint that recorded it (before it could change)
+    # resumes on any other.
+    assert "data_parallel_size" not in record
+    assert diff_run_records({**record, "data_parallel_size": 2}, record) == []
 
 
 def test_init_from_starts_a_new_run_from_a_checkpoints_weights(

@@ -1,0 +1,288 @@
+"""The `fsdp` backend on real gloo ranks: the same training as one `hf` process, head gradients reduced
+over the ranks, ranks with different microbatch counts, and sharded checkpoints that resume on any rank
+count."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from mopd.base.fsio import is_temporary
+from mopd.store.reader import open_store
+from mopd.train.checkpoint import complete_checkpoints
+from mopd.train.data_order import epoch_steps, rank_microbatches
+from mopd.train.metrics import METRICS_FILE, read_metrics
+from mopd.train.trainer import run_training
+from tests.distributed.harness import run_distributed, run_torchrun
+from tests.tolerance import assert_close, assert_same_training, network_rtol, perturbed, sum_rtol
+from tests.train.world import World, world_config
+
+# Microbatches of 192 tokens in steps of 1024: ranks run several, and not always as many as each other.
+OPTIONS: dict[str, Any] = dict(steps=10, batch={"micro_batch_tokens": 192, "global_batch_tokens": 1024})
+
+
+def _train(
+    rank: int, world_size: int, world: World, folder: str, options: dict, output: str, stop: int
+) -> Any:
+    config = world_config(world, Path(folder) / f"rank{rank}", **options)
+    result = run_training(config, output=output, max_steps=stop, log=lambda _line: None)
+    return [r for r in result.records if r.get("split", "train") == "train"] if rank == 0 else None
+
+
+def train_fsdp(
+    world: World, tmp_path: Path, ranks: int, output: Path, stop: int, **options: Any
+) -> list[dict]:
+    """`stop` steps of an fsdp run on `ranks` gloo ranks (resuming what `output` holds)."""
+    options = {**OPTIONS, "backend": "fsdp", **options}
+    args = (world, str(tmp_path / "configs"), options, str(output), stop)
+    return run_distributed(_train, world_size=ranks, args=args, timeout=300)[0]
+
+
+def reference(world: World, tmp_path: Path, **options: Any) -> list[dict]:
+    """One `hf` process, the same global batches (perturbed: other microbatches and chunks)."""
+    options = {**OPTIONS, **options}
+    if perturbed():
+        options |= dict(batch={**options["batch"], "micro_batch_tokens": 128}, divergence={"chunk_size": 48})
+    result = run_training(
+        world_config(world, tmp_path / "reference", **options), output=tmp_path / "hf", log=lambda _l: None
+    )
+    return [r for r in result.records if r.get("split", "train") == "train"]
+
+
+def unequal_steps(world: World, ranks: int) -> int:
+    """How many of an epoch's steps give the ranks different microbatch counts."""
+    lengths = open_store(world.store).lengths
+    steps = epoch_steps(lengths, seed=0, epoch=0, global_batch_tokens=1024)
+    counts = [
+        {
+            len(rank_microbatches(rows, lengths, dp_rank=r, dp_size=ranks, micro_batch_tokens=192))
+            for r in range(ranks)
+        }
+        for rows in steps
+    ]
+    return sum(len(c) > 1 for c in counts)
+
+
+@pytest.mark.parametrize(("ranks", "recompute"), [(2, False), (3, False), (2, True)])
+def test_fsdp_trains_as_one_hf_process(world: World, tmp_path: Path, ranks: int, recompute: bool) -> None:
+    """10 steps at 2 and 3 ranks: losses and gradient norms of one process within `assert_same_training`
+    — also on the steps where ranks run different microbatch counts (fillers: no hang, no change), and
+    with activation checkpointing (the blocks' activations recomputed: the same values)."""
+    assert unequal_steps(world, ranks) > 0  # the case is exercised
+    sharded = train_fsdp(world, tmp_path, ranks, tmp_path / "fsdp", 10, activation_checkpointing=recompute)
+    want = reference(world, tmp_path)
+    assert [r["trained_tokens"] for r in sharded] == [r["trained_tokens"] for r in want]
+    assert_same_training(sharded, want, layers=2, width=128)  # the world's 2-block student, 128 wide
+    assert read_metrics(tmp_path / "fsdp" / METRICS_FILE)[-1]["step"] == 10
+
+
+def _head_gradient(rank: int, world_size: int, student: str, batches: list[list[torch.Tensor]]) -> Any:
+    """The whole output-layer and embedding gradients after this rank's microbatches (of `batches[rank]`,
+    maybe none), each loss Σ logsumexp(hidden · headᵀ) over its tokens."""
+    from mopd.train.distributed import RankGroup
+    from mopd.train.fsdp_student import FSDPStudent
+
+    model = FSDPStudent(
+        student, device=torch.device("cpu"), dtype=torch.float32, dp=RankGroup(rank, world_size)
+    )
+
+    class Batch:
+        def __init__(self, ids: torch.Tensor) -> None:
+            self.input_ids, self.attention_mask = ids, torch.ones_like(ids)
+            self.loss_mask = torch.ones_like(ids, dtype=torch.bool)
+
+    def loss_fn(hidden: torch.Tensor, head: torch.Tensor, mb: Any) -> tuple[torch.Tensor, None]:
+        return (hidden @ head.T).logsumexp(-1).sum(), None
+
+    model.forward_backward([Batch(ids) for ids in batches[rank]], loss_fn)
+    grads = {name: p.grad.full_tensor() for name, p in model.model.named_parameters()}
+    return {name: grads[name] for name in ("lm_head.weight", "model.embed_tokens.weight") if name in grads}
+
+
+@pytest.mark.parametrize(("ranks", "tied"), [(2, False), (3, False), (3, True)])
+def test_the_heads_gradient_is_summed_over_the_ranks(
+    world: World, tmp_path: Path, ranks: int, tied: bool
+) -> None:
+    """Each rank's own tokens reach the head through the loss only: the whole gradient is the sum over
+    every rank's microbatches (a head gathered without reduction would hold one rank's share). Rank 0
+    runs two microbatches, rank 1 one, a third rank none (fillers only). Tied: the embedding matrix is
+    the head, one unit, its gradient from both uses."""
+    from mopd.train.distributed import RankGroup
+    from mopd.train.student import HFStudent
+    from tests.precompute.teachers import make_tokenizer, save_teacher
+
+    student = world.student
+    if tied:
+        student = save_teacher(
+            tmp_path / "tied",
+            "llama",
+            hidden_size=64,
+            seed=13,
+            tokenizer=make_tokenizer(),
+            tie_word_embeddings=True,
+        )
+    gen = torch.Generator().manual_seed(5)
+    batches = [[torch.randint(0, 200, (2, 9), generator=gen) for _ in range(2 - r)] for r in range(ranks)]
+    got = run_distributed(_head_gradient, world_size=ranks, args=(str(student), batches), timeout=120)[0]
+
+    whole = HFStudent(student, device=torch.device("cpu"), dtype=torch.float32, dp=RankGroup())
+    for ids in (ids for rank in batches for ids in rank):
+        hidden = whole.hidden_states(ids, torch.ones_like(ids))
+        (hidden @ whole.head.T).logsumexp(-1).sum().backward()
+    want = {name: p.grad for name, p in whole.model.named_parameters()}
+    assert set(got) == {"lm_head.weight", "model.embed_tokens.weight"} & set(want)
+    for name, grad in got.items():
+        # The same products per microbatch; the ranks' sums add in another order: 3 terms.
+        rtol = network_rtol(world.student) + sum_rtol(3)
+        assert_close(grad, want[name], rtol=rtol, norm=True, what=name)
+    assert len(got) == (1 if tied else 2)
+    assert not np.allclose(got["model.embed_tokens.weight" if tied else "lm_head.weight"].numpy(), 0.0)
+
+
+def _train_live(
+    rank: int, world_size: int, world: World, folder: str, options: dict, output: str, stop: int
+) -> Any:
+    """`_train`, then the trained (live) student's logits over a few rows, before the session closes."""
+    from mopd.train.trainer import Trainer
+
+    trainer = Trainer(
+        world_config(world, Path(folder) / f"rank{rank}", **options), output=output, log=lambda _l: None
+    )
+    close, trainer.session.close = trainer.session.close, lambda: None  # keep the shards for the logits
+    try:
+        result = trainer.run(max_steps=stop)
+        with torch.no_grad():
+            hidden = trainer.student.hidden_states(PROBE, torch.ones_like(PROBE))
+            logits = hidden @ trainer.student._whole_head().T
+    finally:
+        close()
+    return ([r for r in result.records if r.get("split", "train") == "train"], logits) if rank == 0 else None
+
+
+PROBE = torch.arange(3, 3 + 2 * 11).reshape(2, 11)  # two rows of token ids the export is probed with
+
+
+TIMING = ("tokens_per_s", "data_wait", "step_seconds", "memory_gib")  # of the machine, not the run
+
+
+def learned(records: list[dict]) -> list[dict]:
+    """What a step computed: every field of its record but the timing and memory ones."""
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+def checkpoints(output: Path) -> list[str]:
+    """The complete checkpoints' names."""
+    return [p.name for p in complete_checkpoints(output / "checkpoints")]
+
+
+def test_sharded_checkpoints_resume_on_any_rank_count_and_export(world: World, tmp_path: Path) -> None:
+    """A 6-step run on 2 ranks, checkpoints every 2 steps. Stopped at step 2: resumed on 2 ranks it
+    continues bit-exactly; resumed on 3 ranks to step 4, then on 1 to step 6, within trajectory tolerance
+    of the uninterrupted run. `export-hf` of its last checkpoint gives the live student's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from mopd.train.export import export_hf
+
+    options = {**OPTIONS, "backend": "fsdp", "steps": 6, "checkpoint": {"every": 2, "keep": 3}}
+    args = (world, str(tmp_path / "configs"), options)
+    whole, live = run_distributed(
+        _train_live, world_size=2, args=(*args, str(tmp_path / "whole"), 6), timeout=300
+    )[0]
+    assert checkpoints(tmp_path / "whole") == ["step_00000002", "step_00000004", "step_00000006"]
+    state = tmp_path / "whole" / "checkpoints" / "step_00000006" / "state"
+    assert sorted(p.name for p in state.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+    for output in ("same", "other"):
+        run_distributed(_train, world_size=2, args=(*args, str(tmp_path / output), 2), timeout=300)
+    run_distributed(_train, world_size=2, args=(*args, str(tmp_path / "same"), 4), timeout=300)
+    assert learned(read_metrics(tmp_path / "same" / METRICS_FILE)) == learned(whole[:4])
+
+    run_distributed(_train, world_size=3, args=(*args, str(tmp_path / "other"), 4), timeout=300)
+    run_distributed(_train, world_size=1, args=(*args, str(tmp_path / "other"), 6), timeout=300)
+    other = read_metrics(tmp_path / "other" / METRICS_FILE)
+    assert [r["step"] for r in other] == [1, 2, 3, 4, 5, 6]
+    assert learned(other[:2]) == learned(whole[:2])
+    assert_same_training(other, whole, layers=2, width=128, since=2)
+
+    exported = tmp_path / "exported"
+    export_hf(tmp_path / "whole", exported)
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    with torch.no_grad():
+        logits = model(input_ids=PROBE).logits
+    # The same weights and inputs in one process rather than two: products summed in another order.
+    assert_close(logits, live, rtol=network_rtol(world.student), norm=True, what="exported logits")
+
+
+def test_a_kill_inside_a_sharded_save_and_a_damaged_shard(world: World, tmp_path: Path) -> None:
+    """Both ranks SIGKILLed once they have written their shards of step 4's checkpoint: the run resumes
+    from step 2's and ends as an uninterrupted run, bit for bit. Then a shard file changed on disk is
+    named when the run resumes again."""
+    options = {**OPTIONS, "backend": "fsdp", "steps": 4, "checkpoint": {"every": 2, "keep": 3}}
+    world_config(world, tmp_path, **options)
+    run = ["train", str(tmp_path / "config.yaml"), "--output", str(tmp_path / "run")]
+    run_torchrun(run, nproc=2, env={"MOPD_FAULT": "kill@checkpoint-shards-written:2"}, fails=True)
+    assert checkpoints(tmp_path / "run") == ["step_00000002"]
+    unfinished = [p for p in (tmp_path / "run" / "checkpoints").iterdir() if is_temporary(p.name)]
+    assert [sorted(q.name for q in (p / "state").iterdir()) for p in unfinished] == [
+        [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    ]  # killed with the shards written, the checkpoint's own files not
+    log = run_torchrun(run, nproc=2)
+    assert "removed 1 unfinished checkpoint save(s)" in log
+    assert "(step 2)" in log
+    run_torchrun([*run[:2], "--output", str(tmp_path / "whole")], nproc=2)  # the same launcher, unkilled
+    resumed, whole = (read_metrics(tmp_path / name / METRICS_FILE) for name in ("run", "whole"))
+    assert learned(resumed) == learned(whole)
+
+    shard = tmp_path / "run" / "checkpoints" / "step_00000004" / "state" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    refused = run_torchrun(run, nproc=2, fails=True)
+    assert re.search(r"step_00000004 is damaged:\s+\S*/state/__1_0\.distcp: content changed", refused), (
+        refused
+    )
+
+
+def _mixed(rank: int, world_size: int, world: World, folder: str, output: str) -> Any:
+    """10 steps of fsdp with bf16 mixed precision and activation checkpointing: the records, the dtypes
+    of the local shards and AdamW moments, and of a block's weight while it computes."""
+    from mopd.train.trainer import Trainer
+
+    options = {**OPTIONS, "backend": "fsdp", "mixed_precision": "bf16", "activation_checkpointing": True}
+    config = world_config(world, Path(folder) / f"rank{rank}", **options)
+    computing: set[torch.dtype] = set()
+    with Trainer(config, output=output, log=lambda _l: None) as trainer:
+        q_proj = trainer.student.model.base_model.layers[0].self_attn.q_proj
+        q_proj.register_forward_pre_hook(lambda m, _i: computing.add(m.weight.dtype))
+        close, trainer.session.close = trainer.session.close, lambda: None
+        try:
+            records = [r for r in trainer.run().records if r.get("split", "train") == "train"]
+            shards = {p.to_local().dtype for p in trainer.student.parameters()}
+            moments = {
+                s[k].to_local().dtype
+                for s in trainer.optimizer.state.values()
+                for k in ("exp_avg", "exp_avg_sq")
+            }
+        finally:
+            close()
+    return records, shards, moments, computing
+
+
+def test_fsdp_mixed_precision_keeps_fp32_shards_and_follows_the_fp32_run(
+    world: World, tmp_path: Path
+) -> None:
+    """2 ranks, bf16 mixed precision, activation checkpointing: master shards and AdamW moments fp32,
+    blocks computing with bf16 weights, and 10 steps within bf16 rounding of the fp32 run."""
+    from tests.train.test_precision import assert_bf16_of
+
+    records, shards, moments, computing = run_distributed(
+        _mixed, world_size=2, args=(world, str(tmp_path / "configs"), str(tmp_path / "mixed")), timeout=300
+    )[0]
+    assert shards == {torch.float32} and moments == {torch.float32}
+    assert computing == {torch.bfloat16}
+    assert_bf16_of(records, reference(world, tmp_path))

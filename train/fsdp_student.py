@@ -1,0 +1,207 @@
+"""The `fsdp` student: the transformers student of the `hf` backend, sharded over the data-parallel ranks
+with FSDP2 (`torch.distributed.fsdp.fully_shard`), so that each rank holds 1/W of its parameters,
+gradients and AdamW state (W: the ranks it shards over).
+
+Units, each gathered whole only while it computes: every decoder block; the input embeddings; the output
+layer, kept whole from the backbone's forward to the end of the loss's backward (the fused divergence
+kernel takes the whole head, and its gradient is reduce-scattered once that backward ends); tied
+embeddings are one unit of both. The root unit (the whole model) holds the rest: the final norm, which
+the root never reshards during a step. With `dp_replicate` R > 1 the ranks form an R × (W / R) mesh:
+sharded within a group of W / R ranks, replicated across the R groups (HSDP).
+
+Gradients: the trainer normalises the loss by the global batch (`trainer.py`), so the reduction sums
+(never averages) them, and only after a step's last microbatch (`set_requires_gradient_sync`). FSDP's
+collectives run in every forward, so every rank runs as many microbatches as the rank with the most:
+the others run a one-token filler whose loss is 0 × (its outputs), which adds exact zeros to every
+gradient.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mopd.base.errors import ConfigError
+from mopd.train.distributed import RankGroup
+from mopd.train.student import HFStudent, LossFn, save_tokenizer
+
+
+def _final_states(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, L, H] the backbone's output (after the final norm); bound to the model as a forward method
+    so that FSDP gathers the root unit around it."""
+    return self.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's decoder blocks (the backbone's `layers`, as every Llama-style transformers model
+    names them)."""
+    blocks = getattr(model.base_model, "layers", None)
+    if not isinstance(blocks, torch.nn.ModuleList):
+        raise ConfigError(
+            f"train.backend fsdp: {type(model).__name__} keeps no decoder blocks in `layers`; the fsdp "
+            "backend shards Llama-style transformers models (Llama, Qwen2/3, Mistral, SmolLM)"
+        )
+    return blocks
+
+
+def shard_mesh(world: RankGroup, replicate: int, device: torch.device) -> Any:
+    """The device mesh: 1-D over the world, or (replicate, shard) for HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world.size % replicate:
+        raise ConfigError(
+            f"train.parallel.dp_replicate {replicate} does not divide the world size {world.size}: each "
+            "replica shards the student over world / dp_replicate ranks"
+        )
+    if replicate == 1:
+        return init_device_mesh(device.type, (world.size,))
+    return init_device_mesh(
+        device.type, (replicate, world.size // replicate), mesh_dim_names=("replicate", "shard")
+    )
+
+
+class FSDPStudent(HFStudent):
+    """This rank's shards of a transformers student (see the module docstring)."""
+
+    writes_checkpoint_shard = True  # every rank writes its own shard
+
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        dp: RankGroup,
+        replicate: int = 1,
+        mixed_precision: bool = False,
+        activation_checkpointing: bool = False,
+    ) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+        # Loaded whole on the host, then each unit moves only its own shard to the device.
+        super().__init__(
+            checkpoint,
+            device=torch.device("cpu"),
+            dtype=dtype,
+            dp=dp,
+            activation_checkpointing=activation_checkpointing,
+        )
+        self.device = device
+        mesh = shard_mesh(dp, replicate, device)
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if mixed_precision
+            else MixedPrecisionPolicy()
+        )
+        model = self.model
+        model.final_states = types.MethodType(_final_states, model)
+        units = [fully_shard(block, mesh=mesh, mp_policy=policy) for block in decoder_blocks(model)]
+        embed, output = model.get_input_embeddings(), model.get_output_embeddings()
+        tied = output.weight is embed.weight
+        head_modules = [embed, output] if tied else [output]
+        fully_shard(head_modules, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        self.head_unit = output  # the unit's handle (every module of a unit is one)
+        units.append(output)
+        if not tied:
+            units.append(fully_shard(embed, mesh=mesh, mp_policy=policy))
+        units.append(fully_shard(model, mesh=mesh, mp_policy=policy))
+        register_fsdp_forward_method(model, "final_states")
+        for unit in units:
+            unit.set_gradient_divide_factor(1.0)  # the loss is normalised already: sum, never average
+            unit.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+        self.units = units
+        self.describe = f"fsdp: {len(units)} units over {dp.size} rank(s)" + (
+            f", {replicate} replicas of {dp.size // replicate}" if replicate > 1 else ""
+        )
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        """What a checkpoint of this student must match to be resumed by it: not the rank count (the
+        shards are re-cut on load)."""
+        return {"backend": "fsdp"}
+
+    def _whole_head(self) -> torch.Tensor:
+        """The output layer's whole weight, gathered (a no-op while it already is)."""
+        self.head_unit.unshard()
+        return self.head
+
+    def forward_backward(
+        self, microbatches: Sequence[Any], loss_fn: LossFn, *, forward_only: bool = False
+    ) -> list:
+        """Forward (and backward) of each of this rank's microbatches, then fillers up to the count of
+        the rank with the most; returns what `loss_fn` gave back for each real microbatch."""
+        counts = self.dp.all_reduce(torch.tensor([len(microbatches)]), op=dist.ReduceOp.MAX)
+        count = int(counts[0])
+        returned = []
+        with torch.no_grad() if forward_only else nullcontext():
+            for i in range(count):
+                if not forward_only:
+                    self.model.set_requires_gradient_sync(i == count - 1)
+                if i < len(microbatches):
+                    mb = microbatches[i]
+                    hidden = self.hidden_states(mb.input_ids, mb.attention_mask)
+                    loss, extra = loss_fn(hidden[mb.loss_mask.to(self.device)], self._whole_head(), mb)
+                    returned.append(extra)
+                else:
+                    one = torch.ones((1, 1), dtype=torch.long)
+                    hidden = self.hidden_states(one, one)
+                    loss = 0.0 * (hidden.float().sum() + self._whole_head().float().sum())
+                if not forward_only:
+                    loss.backward()
+        self.head_unit.reshard()
+        return returned
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model.final_states(input_ids.to(self.device), attention_mask.to(self.device))
+
+    def finish_gradients(self) -> None:
+        """Nothing: the backward of the step's last microbatch reduce-scattered every gradient."""
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Clips the global gradient norm (over every rank's shards) to `max_norm`; returns it before."""
+        from torch.distributed.tensor import DTensor
+
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+    def save(self, folder: Path) -> None:
+        """The student's config and tokenizer (rank 0): what `mopd export-hf` builds the model from; the
+        weights are in the checkpoint's sharded state (`save_sharded`)."""
+        if self.dp.rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.model.config.save_pretrained(folder)
+            save_tokenizer(self.tokenizer, folder)
+
+    def state(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        """The model's (and `optimizer`'s) state as this rank's shards, keyed by transformers names."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        if optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(self.model, optimizer)
+        return state
+
+    def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
+        """Every rank writes its shards of the weights and AdamW state into `folder` (torch's
+        distributed checkpoint: one file per rank and a `.metadata` index)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.state(optimizer), checkpoint_id=folder)
+
+    def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer | None) -> None:
+        """Loads `save_sharded`'s state into this layout's shards (any rank count: the shards are re-cut),
+        bit-exact; the optimizer's learning rate and other hyper-parameters come back too."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        state = self.state(optimizer)
+        dcp.load(state, checkpoint_id=folder)
+        set_model_state_dict(self.model, state["model"])
+        if optimizer is not None:
+            set_optimizer_state_dict(self.model, optimizer, state["optimizer"])
