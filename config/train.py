@@ -115,6 +115,11 @@ class TrainConfig(Section):
                 f"the {backend} backend trains with data parallelism only (tp = pp = 1); tensor and "
                 "pipeline parallelism need train.backend megatron"
             )
+        if backend != "fsdp" and "gradient_sync" in parallel.model_fields_set:
+            raise ValueError(
+                f"gradient_sync is for train.backend fsdp; the {backend} backend sums the gradients once "
+                "a step"
+            )
         if backend != "fsdp" and parallel.dp_replicate > 1:
             raise ValueError(
                 "dp_replicate (sharding within groups of ranks, replicating across them) is for "

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("gemm", "chain", "kernel", "step")
+SECTIONS = ("gemm", "chain", "kernel", "step", "sharded")
 
 
 def test_the_gpu_bench_runs_every_section_at_toy_sizes(tmp_path: Path) -> None:

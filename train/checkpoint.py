@@ -40,6 +40,7 @@ from typing import Annotated, Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from safetensors.torch import load_file, save_file
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from mopd.base import faults
 from mopd.base.completion import COMPLETE, write_complete
@@ -74,12 +75,35 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def _optimizer_tensors(whole: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {
         f"{position}.{name}": value.detach().contiguous().cpu()
-        for position, slots in optimizer.state_dict()["state"].items()
+        for position, slots in whole["state"].items()
         for name, value in slots.items()
     }
+
+
+def whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """The optimizer's whole state dict. A ZeRO optimizer (state sharded over the data-parallel
+    replicas) gathers it on the group's first rank, the one that writes, and returns None elsewhere:
+    every rank of the group calls this."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if optimizer.rank == 0 else None
+    return optimizer.state_dict()
+
+
+def parameter_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's groups as its state dict numbers them: hyper-parameters, and the positions of
+    the group's parameters in the optimizer's order (read without gathering a sharded state)."""
+    groups, start = [], 0
+    for group in optimizer.param_groups:
+        count = len(group["params"])
+        groups.append(
+            {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + count))}
+        )
+        start += count
+    return groups
 
 
 def optimizer_file(shard: str) -> str:
@@ -120,12 +144,15 @@ def save_checkpoint(
             with faults.io("write", temp / SHARDED_STATE):
                 student.save_sharded(temp / SHARDED_STATE, optimizer)
             faults.point("checkpoint-shards-written")
-        elif student.writes_checkpoint_shard:
-            with faults.io("write", temp / "model"):
-                student.save(temp / "model")
-            optimizer_path = temp / optimizer_file(student.shard)
-            with faults.io("write", optimizer_path):
-                save_file(_optimizer_tensors(optimizer), str(optimizer_path))
+        else:
+            whole = whole_optimizer_state(optimizer)
+            if student.writes_checkpoint_shard:
+                assert whole is not None  # the writer is its replicas' first rank
+                with faults.io("write", temp / "model"):
+                    student.save(temp / "model")
+                optimizer_path = temp / optimizer_file(student.shard)
+                with faults.io("write", optimizer_path):
+                    save_file(_optimizer_tensors(whole), str(optimizer_path))
         world.barrier()
         if world.rank == 0:
             _write_run_state(temp, step, student.layout, optimizer, scheduler, loader, teachers, run)
@@ -167,7 +194,7 @@ def _write_run_state(
     state = {
         "step": step,
         "loader": loader.to_dict(),
-        "param_groups": optimizer.state_dict()["param_groups"],
+        "param_groups": parameter_groups(optimizer),
         "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
         "layout": layout,
         "run": run,
@@ -306,7 +333,7 @@ def load_weights(
         position, name = key.split(".", 1)
         slots.setdefault(int(position), {})[name] = value
     # Hyper-parameters from the run, parameter positions from this rank's own optimizer (its shard's).
-    own = optimizer.state_dict()["param_groups"]
+    own = parameter_groups(optimizer)
     saved = state.param_groups if hyper_parameters else own
     groups = [
         {**g, "params": mine["params"], **({"betas": tuple(g["betas"])} if "betas" in g else {})}

@@ -10,7 +10,9 @@ the root never reshards during a step. With `dp_replicate` R > 1 the ranks form 
 sharded within a group of W / R ranks, replicated across the R groups (HSDP).
 
 Gradients: the trainer normalises the loss by the global batch (`trainer.py`), so the reduction sums
-(never averages) them, and only after a step's last microbatch (`set_requires_gradient_sync`). FSDP's
+(never averages) them: after every microbatch's backward, each rank then keeping only its shard of them
+(`gradient_sync: microbatch`), or after a step's last microbatch only (`step`: one reduction a step,
+but each rank holds the whole fp32 gradient until then; `set_requires_gradient_sync`). FSDP's
 collectives run in every forward, so every rank runs as many microbatches as the rank with the most:
 the others run a one-token filler whose loss is 0 × (its outputs), which adds exact zeros to every
 gradient.
@@ -79,6 +81,7 @@ class FSDPStudent(HFStudent):
         dtype: torch.dtype,
         dp: RankGroup,
         replicate: int = 1,
+        sync_every_microbatch: bool = True,
         mixed_precision: bool = False,
         activation_checkpointing: bool = False,
     ) -> None:
@@ -93,6 +96,7 @@ class FSDPStudent(HFStudent):
             activation_checkpointing=activation_checkpointing,
         )
         self.device = device
+        self.sync_every_microbatch = sync_every_microbatch
         mesh = shard_mesh(dp, replicate, device)
         policy = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -115,10 +119,6 @@ class FSDPStudent(HFStudent):
         for unit in units:
             unit.set_gradient_divide_factor(1.0)  # the loss is normalised already: sum, never average
             unit.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
-        self.units = units
-        self.describe = f"fsdp: {len(units)} units over {dp.size} rank(s)" + (
-            f", {replicate} replicas of {dp.size // replicate}" if replicate > 1 else ""
-        )
 
     @property
     def layout(self) -> dict[str, Any]:
@@ -126,7 +126,7 @@ class FSDPStudent(HFStudent):
         shards are re-cut on load)."""
         return {"backend": "fsdp"}
 
-    def _whole_head(self) -> torch.Tensor:
+    def whole_head(self) -> torch.Tensor:
         """The output layer's whole weight, gathered (a no-op while it already is)."""
         self.head_unit.unshard()
         return self.head
@@ -141,17 +141,17 @@ class FSDPStudent(HFStudent):
         returned = []
         with torch.no_grad() if forward_only else nullcontext():
             for i in range(count):
-                if not forward_only:
+                if not forward_only and not self.sync_every_microbatch:
                     self.model.set_requires_gradient_sync(i == count - 1)
                 if i < len(microbatches):
                     mb = microbatches[i]
                     hidden = self.hidden_states(mb.input_ids, mb.attention_mask)
-                    loss, extra = loss_fn(hidden[mb.loss_mask.to(self.device)], self._whole_head(), mb)
+                    loss, extra = loss_fn(hidden[mb.loss_mask.to(self.device)], self.whole_head(), mb)
                     returned.append(extra)
                 else:
                     one = torch.ones((1, 1), dtype=torch.long)
                     hidden = self.hidden_states(one, one)
-                    loss = 0.0 * (hidden.float().sum() + self._whole_head().float().sum())
+                    loss = 0.0 * (hidden.float().sum() + self.whole_head().float().sum())
                 if not forward_only:
                     loss.backward()
         self.head_unit.reshard()

@@ -94,6 +94,22 @@ class MegatronStudent:
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    def optimizer(self, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        """AdamW over this rank's stage and slice; with data-parallel replicas, its state sharded over
+        them (torch's ZeroRedundancyOptimizer: each replica steps its share of the parameters and
+        broadcasts them to the others), so each holds 1/dp of the moments."""
+        if self.group.dp_size == 1:
+            return torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=weight_decay)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            self.parameters(),
+            optimizer_class=torch.optim.AdamW,
+            process_group=self.data_parallel().group,
+            lr=lr,
+            weight_decay=weight_decay,
+        )
+
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
 

@@ -8,7 +8,8 @@ Settings that may change on resume (they touch neither the data order nor the ob
 - `train.checkpoint.every`, `train.checkpoint.keep`, `train.output_dir`,
 - `train.eval.every`, `train.device`, `train.lm_head_lifecycle`,
 - `train.divergence.chunk_size`, `train.divergence.compile`, `train.parallel.sequence_parallel`,
-  `train.parallel.dp_replicate` and `train.activation_checkpointing` (memory and speed: they change
+  `train.parallel.dp_replicate`, `train.parallel.gradient_sync` and `train.activation_checkpointing`
+  (memory and speed: they change
   only the order in which the same sums are taken, or recompute the same values),
 - `train.student` and `train.init_from` (a resumed run's weights come from its checkpoint),
 - the number of ranks (the data order and the loss do not depend on it; an fsdp or hf checkpoint loads
@@ -40,6 +41,7 @@ RESUMABLE = frozenset(
         "train.divergence.compile",
         "train.parallel.sequence_parallel",
         "train.parallel.dp_replicate",
+        "train.parallel.gradient_sync",
         "train.activation_checkpointing",
         "train.student",
         "train.init_from",

@@ -201,6 +201,7 @@ def _load_student(tc: TrainConfig, device: torch.device, world: RankGroup, exits
             dtype=dtype,
             dp=world,
             replicate=tc.parallel.dp_replicate,
+            sync_every_microbatch=tc.parallel.gradient_sync == "microbatch",
             mixed_precision=tc.mixed_precision == "bf16",
             activation_checkpointing=tc.activation_checkpointing,
         )

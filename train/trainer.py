@@ -155,9 +155,7 @@ class Trainer:
         warning = over_budget(tc.batch, int(self.store.lengths.max(initial=0)))
         if warning:
             self.log(warning)
-        self.optimizer = torch.optim.AdamW(
-            self.student.parameters(), lr=tc.optim.lr, weight_decay=tc.optim.weight_decay
-        )
+        self.optimizer = self.student.optimizer(lr=tc.optim.lr, weight_decay=tc.optim.weight_decay)
         if tc.dtype == "bfloat16":
             self.log(pure_bf16_warning(unchanged_share(self.student.parameters(), tc.optim.lr), tc.optim.lr))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -13,6 +13,7 @@ from mopd.cli.quickstart_assets import STUDENT, write_dataset
 from mopd.store.reader import open_store
 from mopd.train.metrics import read_metrics
 from tests.precompute.teachers import assert_same_chat_tokens
+from tests.tolerance import assert_same_training
 
 
 @pytest.mark.slow
@@ -34,8 +35,22 @@ def test_small_quickstart_runs_every_stage(tmp_path: Path) -> None:
     )
     assert exported.exit_code == 0, exported.output
     assert_same_chat_tokens(tmp_path / "exported", tmp_path / "models" / STUDENT)  # chat template kept
-    again = CliRunner().invoke(cli, ["quickstart", "--small", "--workdir", str(tmp_path)])
-    assert again.exit_code == 0, again.output  # reuses models, data and store; trains afresh
+    # Again on the fsdp backend (one process: a world of 1): reuses models, data and store, trains
+    # afresh, the same steps within `assert_same_training`; its checkpoint holds shards and exports.
+    again = CliRunner().invoke(
+        cli, ["quickstart", "--small", "--workdir", str(tmp_path), "--backend", "fsdp"]
+    )
+    assert again.exit_code == 0, again.output
+    sharded = read_metrics(tmp_path / "quickstart-small-run" / "metrics.jsonl")
+    train = [[r for r in run if r.get("split", "train") == "train"] for run in (sharded, records)]
+    assert_same_training(*train, layers=4, width=1536)  # the student: SmolLM2's first 4 blocks, MLP 1536
+    checkpoint = tmp_path / "quickstart-small-run" / "checkpoints" / "step_00000004"
+    assert (checkpoint / "state" / ".metadata").exists() and not (
+        checkpoint / "model" / "model.safetensors"
+    ).exists()
+    exported = CliRunner().invoke(cli, ["export-hf", str(checkpoint), str(tmp_path / "exported-fsdp")])
+    assert exported.exit_code == 0, exported.output
+    assert_same_chat_tokens(tmp_path / "exported-fsdp", tmp_path / "models" / STUDENT)
 
 
 def test_the_dataset_has_three_agents_with_agent_specific_content(tmp_path: Path) -> None:

@@ -55,6 +55,7 @@ def test_unknown_key_is_named(tmp_path: Path) -> None:
             r"`train.parallel`: .*the fsdp backend trains with data parallelism",
         ),
         ("{student: s, parallel: {dp_replicate: 2}}", r"dp_replicate .* is for train.backend fsdp"),
+        ("{student: s, parallel: {gradient_sync: step}}", r"gradient_sync is for train.backend fsdp"),
         (
             "{student: s, dtype: bfloat16, mixed_precision: bf16}",
             r"mixed precision keeps fp32 master weights; set dtype: float32",

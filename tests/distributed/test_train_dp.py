@@ -37,3 +37,9 @@ def test_two_ranks_under_torchrun_match_one_rank(world: World, tmp_path: Path) -
     assert [r["trained_tokens"] for r in twos] == [r["trained_tokens"] for r in ones]
     assert_same_training(twos, ones, layers=2, width=128)  # the world's 2-block student, 128 wide
     assert [p.name for p in complete_checkpoints(tmp_path / "dp2" / "checkpoints")] == ["step_00000005"]
+
+    # The 2-rank run goes on in one process (the rank count is not part of a run): step 6 trains.
+    longer = world_config(world, tmp_path / "longer", **{**options, "steps": 6})
+    resumed = run_training(longer, output=tmp_path / "dp2", log=lambda _l: None)
+    assert (resumed.first_step, resumed.last_step) == (6, 6)
+    assert [r["step"] for r in read_metrics(tmp_path / "dp2" / METRICS_FILE)] == [1, 2, 3, 4, 5, 6]

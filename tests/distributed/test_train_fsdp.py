@@ -19,11 +19,23 @@ from mopd.train.data_order import epoch_steps, rank_microbatches
 from mopd.train.metrics import METRICS_FILE, read_metrics
 from mopd.train.trainer import run_training
 from tests.distributed.harness import run_distributed, run_torchrun
-from tests.tolerance import assert_close, assert_same_training, network_rtol, perturbed, sum_rtol
+from tests.tolerance import (
+    assert_close,
+    assert_same_training,
+    forward_rtol,
+    mean_over,
+    network_rtol,
+    perturbed,
+    sum_rtol,
+    trajectory_rtol,
+)
 from tests.train.world import World, world_config
 
 # Microbatches of 192 tokens in steps of 1024: ranks run several, and not always as many as each other.
-OPTIONS: dict[str, Any] = dict(steps=10, batch={"micro_batch_tokens": 192, "global_batch_tokens": 1024})
+# 8 rows held out, evaluated at steps 0, 5 and 10.
+OPTIONS: dict[str, Any] = dict(
+    steps=10, batch={"micro_batch_tokens": 192, "global_batch_tokens": 1024}, eval={"rows": 8, "every": 5}
+)
 
 
 def _train(
@@ -31,7 +43,7 @@ def _train(
 ) -> Any:
     config = world_config(world, Path(folder) / f"rank{rank}", **options)
     result = run_training(config, output=output, max_steps=stop, log=lambda _line: None)
-    return [r for r in result.records if r.get("split", "train") == "train"] if rank == 0 else None
+    return result.records if rank == 0 else None
 
 
 def train_fsdp(
@@ -51,7 +63,12 @@ def reference(world: World, tmp_path: Path, **options: Any) -> list[dict]:
     result = run_training(
         world_config(world, tmp_path / "reference", **options), output=tmp_path / "hf", log=lambda _l: None
     )
-    return [r for r in result.records if r.get("split", "train") == "train"]
+    return result.records
+
+
+def split(records: list[dict], name: str) -> list[dict]:
+    """The train (or eval) records of a run."""
+    return [r for r in records if r.get("split", "train") == name]
 
 
 def unequal_steps(world: World, ranks: int) -> int:
@@ -68,16 +85,39 @@ def unequal_steps(world: World, ranks: int) -> int:
     return sum(len(c) > 1 for c in counts)
 
 
-@pytest.mark.parametrize(("ranks", "recompute"), [(2, False), (3, False), (2, True)])
-def test_fsdp_trains_as_one_hf_process(world: World, tmp_path: Path, ranks: int, recompute: bool) -> None:
-    """10 steps at 2 and 3 ranks: losses and gradient norms of one process within `assert_same_training`
-    — also on the steps where ranks run different microbatch counts (fillers: no hang, no change), and
-    with activation checkpointing (the blocks' activations recomputed: the same values)."""
+@pytest.mark.parametrize(
+    ("ranks", "recompute", "parallel"),
+    [
+        (2, False, {}),
+        (3, False, {"gradient_sync": "step"}),
+        (2, True, {}),
+        (4, False, {"dp_replicate": 2}),
+    ],
+)
+def test_fsdp_trains_as_one_hf_process(
+    world: World, tmp_path: Path, ranks: int, recompute: bool, parallel: dict
+) -> None:
+    """10 steps at 2, 3 and 4 ranks: losses and gradient norms of one process within
+    `assert_same_training` — also on the steps where ranks run different microbatch counts (fillers: no
+    hang, no change), with gradients reduced after every microbatch or once a step, sharded within two
+    replicas (HSDP), and with activation checkpointing (the blocks' activations recomputed: the same
+    values)."""
     assert unequal_steps(world, ranks) > 0  # the case is exercised
-    sharded = train_fsdp(world, tmp_path, ranks, tmp_path / "fsdp", 10, activation_checkpointing=recompute)
-    want = reference(world, tmp_path)
+    options = dict(activation_checkpointing=recompute, parallel=parallel)
+    records = train_fsdp(world, tmp_path, ranks, tmp_path / "fsdp", 10, **options)
+    hf = reference(world, tmp_path)
+    want, sharded = split(hf, "train"), split(records, "train")
     assert [r["trained_tokens"] for r in sharded] == [r["trained_tokens"] for r in want]
     assert_same_training(sharded, want, layers=2, width=128)  # the world's 2-block student, 128 wide
+    # Held-out evaluation on the sharded student: the same forward (no backward) over the held-out rows.
+    evaluated, want_eval = split(records, "eval"), split(hf, "eval")
+    assert [r["step"] for r in evaluated] == [0, 5, 10]
+    for mine, theirs in zip(evaluated, want_eval, strict=True):
+        assert mine["trained_tokens"] == theirs["trained_tokens"]
+        rtol = trajectory_rtol(mine["step"], 2, 128) + forward_rtol(2, 128)
+        for key in ("divergence_min", "divergence_max"):
+            assert_close(mine[key], theirs[key], rtol=rtol, what=f"eval {mine['step']} {key}")
+        assert_close(mine["divergence"], theirs["divergence"], rtol=mean_over(theirs["trained_tokens"], rtol))
     assert read_metrics(tmp_path / "fsdp" / METRICS_FILE)[-1]["step"] == 10
 
 
@@ -158,7 +198,7 @@ def _train_live(
         result = trainer.run(max_steps=stop)
         with torch.no_grad():
             hidden = trainer.student.hidden_states(PROBE, torch.ones_like(PROBE))
-            logits = hidden @ trainer.student._whole_head().T
+            logits = hidden @ trainer.student.whole_head().T
     finally:
         close()
     return ([r for r in result.records if r.get("split", "train") == "train"], logits) if rank == 0 else None
@@ -200,11 +240,11 @@ def test_sharded_checkpoints_resume_on_any_rank_count_and_export(world: World, t
     for output in ("same", "other"):
         run_distributed(_train, world_size=2, args=(*args, str(tmp_path / output), 2), timeout=300)
     run_distributed(_train, world_size=2, args=(*args, str(tmp_path / "same"), 4), timeout=300)
-    assert learned(read_metrics(tmp_path / "same" / METRICS_FILE)) == learned(whole[:4])
+    assert learned(split(read_metrics(tmp_path / "same" / METRICS_FILE), "train")) == learned(whole[:4])
 
     run_distributed(_train, world_size=3, args=(*args, str(tmp_path / "other"), 4), timeout=300)
     run_distributed(_train, world_size=1, args=(*args, str(tmp_path / "other"), 6), timeout=300)
-    other = read_metrics(tmp_path / "other" / METRICS_FILE)
+    other = split(read_metrics(tmp_path / "other" / METRICS_FILE), "train")
     assert [r["step"] for r in other] == [1, 2, 3, 4, 5, 6]
     assert learned(other[:2]) == learned(whole[:2])
     assert_same_training(other, whole, layers=2, width=128, since=2)
@@ -285,4 +325,28 @@ def test_fsdp_mixed_precision_keeps_fp32_shards_and_follows_the_fp32_run(
     )[0]
     assert shards == {torch.float32} and moments == {torch.float32}
     assert computing == {torch.bfloat16}
-    assert_bf16_of(records, reference(world, tmp_path))
+    assert_bf16_of(records, split(reference(world, tmp_path), "train"))
+
+
+def _shard_shares(rank: int, world_size: int, student: str, replicate: int) -> list[float]:
+    """Each parameter's local share of its elements on this rank."""
+    from mopd.train.distributed import RankGroup
+    from mopd.train.fsdp_student import FSDPStudent
+
+    model = FSDPStudent(
+        student,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        dp=RankGroup(rank, world_size),
+        replicate=replicate,
+    )
+    return [p.to_local().numel() / p.numel() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("replicate", [1, 2])
+def test_hsdp_shards_within_each_replica(world: World, replicate: int) -> None:
+    """4 ranks: with dp_replicate 1 every element of every parameter is on one rank (a quarter of each
+    on each), with 2 on two (two replicas of a 2-rank sharding)."""
+    shares = run_distributed(_shard_shares, world_size=4, args=(str(world.student), replicate), timeout=120)
+    totals = [sum(rank[i] for rank in shares) for i in range(len(shares[0]))]
+    assert totals == pytest.approx([float(replicate)] * len(totals))  # every element on `replicate` ranks

@@ -24,8 +24,9 @@ from tests.rollout.conftest import Models, chat_prompts, rollout_config
 from tests.train.world import World, write_train_config
 
 
-def rounds_config(world: World, folder: Path, *, count: int, **rounds: Any) -> Path:
-    """Both world teachers; 8 chat prompts (2 samples each), 4 held-out ones; 4 steps a round."""
+def rounds_config(world: World, folder: Path, *, count: int, backend: str = "hf", **rounds: Any) -> Path:
+    """Both world teachers; 8 chat prompts (2 samples each), 4 held-out ones; 4 steps a round; the
+    student trained on `backend`."""
     records = agent_records(12)
     prompts = [{"id": r["id"], "agent": r["agent"], "messages": r["messages"][:1]} for r in records]
     path = write_train_config(
@@ -34,6 +35,7 @@ def rounds_config(world: World, folder: Path, *, count: int, **rounds: Any) -> P
         data=world.data,
         store=folder / "unused.zarr",
         student=world.student,
+        backend=backend,
         checkpoint={"every": 2, "keep": 2},
         divergence={"temperature": 1.5},  # the loss temperature, not the sampling one
     )
@@ -139,17 +141,30 @@ def test_off_policy_rows_are_mixed_in_at_the_fraction(world: World, tmp_path: Pa
 @pytest.mark.slow
 def test_a_megatron_student_samples_through_its_export(world: World, tmp_path: Path) -> None:
     """train.backend megatron: round 2 samples with round 1's student exported to transformers."""
-    config = rounds_config(world, tmp_path, count=2)
-    raw = yaml.safe_load(config.read_text())
-    raw["train"]["backend"] = "megatron"
-    config.write_text(yaml.safe_dump(raw))
-    run_rounds(load_config(config), log=lambda _line: None)
+    run_rounds(load_config(rounds_config(world, tmp_path, count=2, backend="megatron")), log=lambda _l: None)
     workdir = tmp_path / "rounds"
     assert (workdir / "round-001" / "student" / "config.json").exists()
     samples = pq.read_table(workdir / "round-002" / "samples.parquet").to_pylist()
     assert {row["student"] for row in samples} == {str(workdir / "round-001" / "student")}
     records = [json.loads(line) for line in (workdir / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_an_fsdp_student_trains_rounds_from_its_sharded_checkpoints(world: World, tmp_path: Path) -> None:
+    """train.backend fsdp (one process: a world of 1): round 2 starts from round 1's sharded checkpoint
+    (weights and AdamW state) and samples with its export; held-out evaluation runs on the sharded
+    student after every round."""
+    run_rounds(load_config(rounds_config(world, tmp_path, count=2, backend="fsdp")), log=lambda _l: None)
+    workdir = tmp_path / "rounds"
+    for r in (1, 2):
+        last = complete_checkpoints(workdir / f"round-{r:03d}" / "run" / "checkpoints")[-1]
+        assert (last / "state" / ".metadata").exists()
+    assert (workdir / "round-001" / "student" / "model.safetensors").exists()
+    samples = pq.read_table(workdir / "round-002" / "samples.parquet").to_pylist()
+    assert {row["student"] for row in samples} == {str(workdir / "round-001" / "student")}
+    records = [json.loads(line) for line in (workdir / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [0, 1, 2] and all(r["heldout_tokens"] > 0 for r in records)
 
 
 @pytest.mark.slow
