@@ -13,10 +13,10 @@ Per rank, after that step:
   allocation of 64 KiB or more is its own mapping (MALLOC_MMAP_THRESHOLD_), returned to the system when
   freed, so the resident size follows the live tensors rather than the allocator's free lists.
 
-From the per-parameter bytes of state measured at the largest rank count, the table extrapolates the
-largest student whose state fits one 80 GB GPU at 8 ranks (sharded state divides by the rank count,
-replicated state does not), leaving `--reserve` GB per GPU for activations, gathered units and teacher
-heads.
+From the per-parameter bytes of each part of the state measured at the largest rank count, the table
+extrapolates the largest student whose state fits one 80 GB GPU at 8 ranks (a part that shrank with
+the rank count divides by it, the others stay), leaving `--reserve` GB per GPU for activations,
+gathered units and teacher heads.
 
     python bench/sharding.py [--ranks 1 2 4] [--tokens 2048] [--variants hf fsdp fsdp-step megatron]
 """
@@ -70,12 +70,13 @@ def child(variant: str, recompute: bool, config: Path, output: Path) -> None:
     loaded = load_config(config)
     assert loaded.train is not None
     backend, sync = VARIANTS[variant]
-    # Two microbatches a step: the gradients accumulate over them as in a real run.
+    # Two microbatches a step on every rank: the gradients accumulate over them as in a real run.
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
     tokens = loaded.train.batch.global_batch_tokens
     update: dict[str, Any] = {
         "backend": backend,
         "activation_checkpointing": recompute,
-        "batch": loaded.train.batch.model_copy(update={"micro_batch_tokens": tokens // 2}),
+        "batch": loaded.train.batch.model_copy(update={"micro_batch_tokens": tokens // (2 * ranks)}),
     }
     if sync:
         update["parallel"] = loaded.train.parallel.model_copy(update={"gradient_sync": sync})
@@ -131,28 +132,37 @@ def state_bytes(row: dict[str, Any]) -> int:
     return row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"]
 
 
-def largest_student(bytes_per_param: float, sharded: bool, ranks: int, reserve: float) -> float:
-    """Parameters whose state fits one GPU at `GPU_RANKS` ranks, from state bytes per parameter measured
-    at `ranks` (sharded state scales by ranks / GPU_RANKS)."""
-    at_gpu_ranks = bytes_per_param * ranks / GPU_RANKS if sharded else bytes_per_param
-    return (GPU_BYTES - reserve * 1e9) / at_gpu_ranks
+PARTS = ("param_bytes", "grad_bytes", "optimizer_bytes")
+
+
+def bytes_per_param_at(plain: dict[int, dict[str, Any]], ranks: int) -> dict[str, float]:
+    """Each part's bytes per parameter on one rank of `ranks`, from the widest measured run: a part
+    that shrank with the rank count (below 3/4 of the one-rank figure) is sharded and scales by
+    measured ranks / `ranks`, the others stay."""
+    widest, one = plain[max(plain)], plain[min(plain)]
+    scaled = {}
+    for part in PARTS:
+        per_param = widest[part] / widest["parameters"]
+        sharded = widest["ranks"] > one["ranks"] and widest[part] < 0.75 * one[part]
+        scaled[part] = per_param * widest["ranks"] / ranks if sharded else per_param
+    return scaled
 
 
 def summarise(rows: list[dict[str, Any]], variant: str, reserve: float) -> dict[str, Any] | None:
-    """Per-parameter state at the widest run, the largest student on 8 GPUs, and what recomputation
-    saves of the step's peak, by rank count."""
+    """Per-parameter state at the widest run and at 8 ranks, the largest student whose state fits one
+    80 GB GPU of 8 (less `reserve` GB), and what recomputation saves of the step's peak, by ranks."""
     done = {(r["ranks"], r["recompute"]): r for r in rows if r["variant"] == variant and "failed" not in r}
     plain = {ranks: r for (ranks, recompute), r in done.items() if not recompute}
     if not plain:
         return None
     widest = plain[max(plain)]
     per_param = state_bytes(widest) / widest["parameters"]
-    sharded = widest["ranks"] > 1 and widest["state_vs_one_rank"] < 0.75
+    at_gpu_ranks = bytes_per_param_at(plain, GPU_RANKS)
     return {
         "state_bytes_per_param": per_param,
         "measured_at_ranks": widest["ranks"],
-        "sharded": sharded,
-        "largest_student_params_8x80GB": largest_student(per_param, sharded, widest["ranks"], reserve),
+        "bytes_per_param_at_8_ranks": at_gpu_ranks,
+        "largest_student_params_8x80GB": (GPU_BYTES - reserve * 1e9) / sum(at_gpu_ranks.values()),
         "step_peak_without_over_with_recompute": {
             ranks: plain[ranks]["step_peak_bytes"] / max(r["step_peak_bytes"], 1)
             for (ranks, recompute), r in done.items()
@@ -182,8 +192,7 @@ def main() -> None:
         folder = Path(tmp)
         config = build_store(folder, args.tokens)
         for variant in args.variants:
-            # (megatron: activation checkpointing is not built for that backend yet)
-            for recompute in (False, True) if VARIANTS[variant][0] != "megatron" else (False,):
+            for recompute in (False, True):
                 for ranks in args.ranks:
                     result = measure(variant, ranks, recompute, config, folder)
                     rows.append({"variant": variant, "ranks": ranks, "recompute": recompute, **result})
@@ -231,7 +240,8 @@ def main() -> None:
         )
         print(
             f"{variant}: {found['state_bytes_per_param']:.2f} state bytes/param at "
-            f"{found['measured_at_ranks']} ranks -> largest student on {GPU_RANKS} x 80 GB "
+            f"{found['measured_at_ranks']} ranks, {sum(found['bytes_per_param_at_8_ranks'].values()):.2f} "
+            f"at {GPU_RANKS} -> largest student on {GPU_RANKS} x 80 GB "
             f"(reserve {args.reserve:g} GB each): "
             f"{found['largest_student_params_8x80GB'] / 1e9:.1f}B parameters; step peak without / with "
             f"recompute: {savings or '-'}"

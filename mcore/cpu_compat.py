@@ -1,9 +1,10 @@
 """Megatron-core on the CPU (DESIGN §10): for gloo runs on machines without a GPU, tests among them.
 
-megatron-core's RNG tracker and a few forward paths hard-code CUDA (`torch.cuda.current_device()`,
-`.cuda()`, `device="cuda"`). `cpu_megatron()` maps those to the CPU for the code it wraps, and
-`install_cpu_rng_tracker()` replaces the CUDA RNG tracker with one over the CPU generator. mopd uses
-both only when its device is the CPU; the GPU code path never runs through them.
+megatron-core's RNG tracker, its activation recomputation and a few forward paths hard-code CUDA
+(`torch.cuda.current_device()`, `.cuda()`, `device="cuda"`, the CUDA generator's state).
+`cpu_megatron()` maps those to the CPU for the code it wraps, and `install_cpu_rng_tracker()` replaces
+the CUDA RNG tracker with one over the CPU generator. mopd uses both only when its device is the CPU;
+the GPU code path never runs through them.
 """
 
 from __future__ import annotations
@@ -43,17 +44,33 @@ class _CudaToCpu(TorchFunctionMode):
 @contextlib.contextmanager
 def cpu_megatron() -> Iterator[None]:
     """Runs megatron-core code that asks for CUDA devices on the CPU."""
+    from megatron.core.tensor_parallel import random
+
     saved = torch.cuda.current_device, torch.cuda.synchronize
+    saved_rng = random._get_cuda_rng_state, random._set_cuda_rng_state
+    recompute = random.CheckpointFunction.backward
     # The CPU device itself, not an index: megatron-core passes it as `device=`, also inside autograd
     # backward functions, which run without the mode below (a mode is off while it handles a call, here
     # the schedule's `torch.autograd.backward`).
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     torch.cuda.synchronize = lambda device=None: None  # CPU ops have finished when they return
+    # Activation recomputation saves and restores "the CUDA generator" around each block: on the CPU,
+    # the CPU generator (which it also saves itself).
+    random._get_cuda_rng_state = lambda *_args, **_kwargs: torch.get_rng_state()
+    random._set_cuda_rng_state = lambda state, *_args, **_kwargs: torch.set_rng_state(state)
+
+    def recompute_on_cpu(ctx: Any, *grads: Any) -> Any:  # the forward it reruns asks for CUDA too
+        with _CudaToCpu():
+            return recompute(ctx, *grads)
+
+    random.CheckpointFunction.backward = staticmethod(recompute_on_cpu)
     try:
         with _CudaToCpu():
             yield
     finally:
         torch.cuda.current_device, torch.cuda.synchronize = saved
+        random._get_cuda_rng_state, random._set_cuda_rng_state = saved_rng
+        random.CheckpointFunction.backward = staticmethod(recompute)
 
 
 class CpuRngTracker:

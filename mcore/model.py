@@ -17,9 +17,16 @@ from mopd.mcore.parallel import ModelParallelGroup
 
 
 def transformer_config(
-    shape: GPTShape, *, tp: int, pp: int, dtype: torch.dtype, sequence_parallel: bool = False
+    shape: GPTShape,
+    *,
+    tp: int,
+    pp: int,
+    dtype: torch.dtype,
+    sequence_parallel: bool = False,
+    recompute: bool = False,
 ) -> Any:
-    """The TransformerConfig that computes what the HF model computes (no dropout, no fused kernels)."""
+    """The TransformerConfig that computes what the HF model computes (no dropout, no fused kernels);
+    with `recompute`, each layer keeps only its input and recomputes the rest in the backward."""
     from megatron.core.transformer import TransformerConfig
 
     config = TransformerConfig(
@@ -52,6 +59,11 @@ def transformer_config(
         # The pipeline schedules take losses normalised by the caller (by the global trained-token
         # count) instead of averaging them per microbatch.
         calculate_per_token_loss=True,
+        **(
+            dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+            if recompute
+            else {}
+        ),
     )
     # Microbatches of their own length and batch size, their shapes sent between stages. (Set after
     # construction: the constructor's check for MoE token dispatchers does not apply to dense models.)
@@ -94,12 +106,16 @@ def gpt_model(
     pre_process: bool,
     post_process: bool,
     sequence_parallel: bool = False,
+    recompute: bool = False,
 ) -> Any:
     """This rank's GPTModel (its pipeline stage, its tensor-parallel shards), weights uninitialised."""
     from megatron.core.models.gpt import GPTModel
 
+    config = transformer_config(
+        shape, tp=tp, pp=pp, dtype=dtype, sequence_parallel=sequence_parallel, recompute=recompute
+    )
     return GPTModel(
-        transformer_config(shape, tp=tp, pp=pp, dtype=dtype, sequence_parallel=sequence_parallel),
+        config,
         block_spec(shape.num_layers // pp),
         vocab_size=shape.padded_vocab_size(tp),
         max_sequence_length=shape.max_position_embeddings,
@@ -195,11 +211,17 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
 
 
 def load_stage(
-    checkpoint: str | Path, group: ModelParallelGroup, dtype: torch.dtype, *, what: str
+    checkpoint: str | Path,
+    group: ModelParallelGroup,
+    dtype: torch.dtype,
+    *,
+    what: str,
+    recompute: bool = False,
 ) -> tuple[Any, GPTShape]:
     """(this rank's GPTModel stage with its converted weights on its device, the model's shape).
 
-    `what` names the model in errors (`teacher ckpt/x`, `train.student`).
+    `what` names the model in errors (`teacher ckpt/x`, `train.student`); `recompute`: activation
+    checkpointing of every layer.
 
     Raises:
         ConfigError: not a convertible Llama/Qwen2 checkpoint, no safetensors weights, or a layout that
@@ -237,6 +259,7 @@ def load_stage(
             pre_process=group.is_first_stage,
             post_process=group.is_last_stage,
             sequence_parallel=group.sequence_parallel,
+            recompute=recompute,
         )
     load_state(model, state)
     return model.to(group.device), shape

@@ -38,12 +38,21 @@ class MegatronStudent:
     which all see the same per-token values, the first one reports them (`reports`).
     """
 
-    def __init__(self, checkpoint: str | Path, *, group: ModelParallelGroup, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        *,
+        group: ModelParallelGroup,
+        dtype: torch.dtype,
+        activation_checkpointing: bool = False,
+    ) -> None:
         self.checkpoint = Path(checkpoint)
         if not self.checkpoint.is_dir():
             raise ConfigError(f"train.student: {self.checkpoint} is not a checkpoint folder")
         self.group = group
-        self.model, self.shape = load_stage(self.checkpoint, group, dtype, what="train.student")
+        self.model, self.shape = load_stage(
+            self.checkpoint, group, dtype, what="train.student", recompute=activation_checkpointing
+        )
         self.layers_per_stage = self.shape.num_layers // group.pp
         self.model.train()
         self.holds_loss = group.is_last_stage

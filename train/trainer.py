@@ -8,7 +8,8 @@ the replicas are those of the global batch whatever the layout. Then the gradien
 clipped, and AdamW steps under a linear-warmup, cosine-decay schedule.
 
 Ranks: the world is torchrun's processes. On the hf backend each is a data-parallel replica holding the
-whole student. On the megatron backend the world splits into tp × pp model-parallel groups, one per
+whole student; on the fsdp backend each holds its shard of the student and of the AdamW state
+(`fsdp_student.py`). On the megatron backend the world splits into tp × pp model-parallel groups, one per
 replica; only the last pipeline stage holds teacher heads (its TP rank's vocabulary slice) and computes
 the loss, and its first TP rank reports the per-token statistics that rank 0 logs.
 """

@@ -153,6 +153,52 @@ def test_layouts_match_single_process_hf(
     assert held == pytest.approx([slice_mib if last else 0.0 for last in last_stage], abs=0.006)
 
 
+def test_activation_checkpointing_trains_the_same_values(setup: Setup, single: TrainResult) -> None:
+    """TP2×PP2 with sequence parallelism, every layer recomputed in the backward: the hf run's 5 steps
+    within `assert_same_training`, as without recomputation."""
+    config = setup.config(
+        "recompute", backend="megatron", parallel=parallel(2, 2), activation_checkpointing=True
+    )
+    run_torchrun(["train", str(config), "--output", str(setup.root / "recompute-run")], nproc=4)
+    got = split(read_metrics(setup.root / "recompute-run" / METRICS_FILE))[0]
+    assert_same_training(got, split(single.records)[0], layers=2, width=128)
+    # The same values, because each layer ran through megatron-core's recomputation: once per layer and
+    # microbatch in the forward (one process, one stage of 2 layers; none without the setting).
+    configs = [
+        setup.config(f"recompute-{int(on)}", backend="megatron", activation_checkpointing=on)
+        for on in (False, True)
+    ]
+    calls = run_distributed(_recomputed_layers, world_size=1, args=([str(c) for c in configs],), timeout=300)[
+        0
+    ]
+    assert calls[0] == 0 and calls[1] > 0 and calls[1] % 2 == 0
+
+
+def _recomputed_layers(rank: int, world: int, configs: list[str]) -> list[int]:
+    """How often megatron-core's activation checkpointing ran in one step of each config."""
+    from megatron.core import tensor_parallel
+
+    counted = []
+    original = tensor_parallel.checkpoint
+    for config in configs:
+        calls = 0
+
+        def counting(*args: object) -> object:
+            nonlocal calls
+            calls += 1
+            return original(*args)
+
+        tensor_parallel.checkpoint = counting
+        try:
+            run_training(
+                load_config(config), output=Path(config).parent / "run", max_steps=1, log=lambda _l: None
+            )
+        finally:
+            tensor_parallel.checkpoint = original
+        counted.append(calls)
+    return counted
+
+
 def test_resume_under_tp2_pp2_matches_uninterrupted(
     setup: Setup, launch: Callable[[int, int], Launched]
 ) -> None:

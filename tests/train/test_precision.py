@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from mopd.base.errors import ConfigError
 from mopd.train.precision import unchanged_share
 from mopd.train.trainer import Trainer
 from tests.tolerance import assert_close, bf16_trajectory_rtol, mean_over
@@ -91,3 +92,12 @@ def test_mixed_precision_follows_the_fp32_run(world: World, tmp_path: Path) -> N
     """10 steps of the hf backend with bf16 compute against the same run in fp32."""
     fp32 = train_records(world, tmp_path / "fp32")
     assert_bf16_of(train_records(world, tmp_path / "bf16", mixed_precision="bf16"), fp32)
+
+
+def test_mixed_precision_on_the_megatron_backend_is_refused(world: World, tmp_path: Path) -> None:
+    """Not built there yet: refused when the run starts, naming the backends that have it."""
+    config = world_config(world, tmp_path, backend="megatron", mixed_precision="bf16")
+    with pytest.raises(
+        ConfigError, match=r"mixed_precision is not built for the megatron backend.*fsdp or hf"
+    ):
+        Trainer(config, log=lambda _l: None)
