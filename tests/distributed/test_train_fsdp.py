@@ -11,8 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 
 from mopd.base.fsio import is_temporary
+from mopd.cli.main import cli
 from mopd.store.reader import open_store
 from mopd.train.checkpoint import complete_checkpoints
 from mopd.train.data_order import epoch_steps, rank_microbatches
@@ -278,10 +280,15 @@ def test_a_kill_inside_a_sharded_save_and_a_damaged_shard(world: World, tmp_path
     resumed, whole = (read_metrics(tmp_path / name / METRICS_FILE) for name in ("run", "whole"))
     assert learned(resumed) == learned(whole)
 
-    shard = tmp_path / "run" / "checkpoints" / "step_00000004" / "state" / "__1_0.distcp"
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000004"
+    verify = ["verify-manifest", str(world.store), "--checkpoint", str(checkpoint)]
+    assert CliRunner().invoke(cli, verify).exit_code == 0  # every shard as its marker lists it
+    shard = checkpoint / "state" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
+    damaged = CliRunner().invoke(cli, verify)
+    assert damaged.exit_code != 0 and "state/__1_0.distcp: content changed" in damaged.output
     refused = run_torchrun(run, nproc=2, fails=True)
     assert re.search(r"step_00000004 is damaged:\s+\S*/state/__1_0\.distcp: content changed", refused), (
         refused
