@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from mopd.base.errors import ConfigError
 from mopd.train.distributed import RankGroup
@@ -154,7 +155,11 @@ class FSDPStudent(HFStudent):
                     loss = 0.0 * (hidden.float().sum() + self.whole_head().float().sum())
                 if not forward_only:
                     loss.backward()
-        self.head_unit.reshard()
+        # Every unit back to its shard: a backward reshards them itself, a forward alone leaves the
+        # head and the root unit gathered.
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         return returned
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
