@@ -180,3 +180,12 @@ def assert_same_training(
         for key in MEAN_KEYS:
             mean = mean_over(theirs["trained_tokens"], rtol)
             assert_close(mine[key], theirs[key], rtol=mean, what=f"step {mine['step']} {key}")
+
+
+TIMING_KEYS = ("tokens_per_s", "data_wait", "step_seconds", "memory_gib")  # of the machine, not the run
+
+
+def learned(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What each step computed: every field of its record but the timing and memory ones (for runs that
+    must agree bit for bit)."""
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]

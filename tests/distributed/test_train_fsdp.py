@@ -25,6 +25,7 @@ from tests.tolerance import (
     assert_close,
     assert_same_training,
     forward_rtol,
+    learned,
     mean_over,
     network_rtol,
     perturbed,
@@ -207,14 +208,6 @@ def _train_live(
 
 
 PROBE = torch.arange(3, 3 + 2 * 11).reshape(2, 11)  # two rows of token ids the export is probed with
-
-
-TIMING = ("tokens_per_s", "data_wait", "step_seconds", "memory_gib")  # of the machine, not the run
-
-
-def learned(records: list[dict]) -> list[dict]:
-    """What a step computed: every field of its record but the timing and memory ones."""
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
 
 
 def checkpoints(output: Path) -> list[str]:

@@ -25,6 +25,7 @@ from tests.precompute.teachers import assert_same_chat_tokens, make_tokenizer, s
 from tests.tolerance import (
     assert_close,
     assert_same_training,
+    learned,
     mean_over,
     network_rtol,
     perturbed,
@@ -322,10 +323,7 @@ def test_data_parallel_replicas_shard_adamw_and_resume_on_another_count(
         got = {r["step"]: r for r in split(read_metrics(resumed / METRICS_FILE))[0]}
         assert sorted(got) == [4, 5]
         if ranks == 4:
-            timing = ("tokens_per_s", "data_wait", "step_seconds", "memory_gib")
-            assert [{k: v for k, v in got[s].items() if k not in timing} for s in (4, 5)] == [
-                {k: v for k, v in want[s].items() if k not in timing} for s in (4, 5)
-            ]
+            assert learned([got[4], got[5]]) == learned([want[4], want[5]])
         else:  # one replica sums what two did: other rounding from step 4 on
             assert_same_training([got[4], got[5]], [want[4], want[5]], layers=2, width=128, since=3)
 
