@@ -1,24 +1,18 @@
 """Groups of a training run's ranks: the world (torchrun's environment, or an already initialised group)
 and the student's data-parallel replicas (the world on the hf backend; one rank of each model-parallel
-group on the megatron backend).
+group on the megatron backend). The engines reduce the gradients over the replicas: torch's
+DistributedDataParallel (`hf`), FSDP2 (`fsdp`), megatron-core's DistributedDataParallel (`megatron`).
 
-Gradients are summed across ranks once per optimiser step, after every microbatch of the step has run
-its backward, in one flat all-reduce per bucket. The loss is normalised by the global trained-token
-count beforehand, so the sum is the exact gradient of the global batch — also when ranks hold different
-numbers of microbatches (which a per-backward DDP hook schedule cannot allow).
+(No `from __future__ import annotations` here: DistributedDataParallel checks its communication hook's
+annotations as objects, not strings.)
 """
 
-from __future__ import annotations
-
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
-
-_BUCKET_ELEMENTS = 1 << 24  # 64 MiB of fp32 per all-reduce
 
 
 @dataclass
@@ -32,7 +26,7 @@ class RankGroup:
     owns_group: bool = False
 
     @classmethod
-    def from_environment(cls, device: torch.device, *, always: bool = False) -> RankGroup:
+    def from_environment(cls, device: torch.device, *, always: bool = False) -> Self:
         """The default process group: the one already initialised, or one from torchrun's variables.
         Outside torchrun there is none, unless `always` asks for a world of one (for engines that need
         a process group even on one rank, FSDP's)."""
@@ -56,11 +50,6 @@ class RankGroup:
             dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.group)
         return tensor
 
-    def sum_gradients(self, parameters: Sequence[torch.nn.Parameter]) -> None:
-        """Sums every parameter's gradient over the ranks (a missing gradient counts as zeros)."""
-        if self.enabled:
-            sum_gradients(parameters, self.group)
-
     def all_gather_object(self, value: Any) -> list[Any]:
         """Every rank's `value`, in rank order (picklable objects only)."""
         if not self.enabled:
@@ -81,7 +70,7 @@ class RankGroup:
         if self.enabled:
             dist.barrier(group=self.group)
 
-    def __enter__(self) -> RankGroup:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -94,21 +83,8 @@ class RankGroup:
         self.owns_group = False
 
 
-def sum_gradients(parameters: Sequence[torch.nn.Parameter], group: Any) -> None:
-    """Sums the parameters' gradients over the ranks of `group` (a missing gradient counts as zeros),
-    in one flat all-reduce per bucket."""
-    buckets: list[list[torch.Tensor]] = []
-    filled = _BUCKET_ELEMENTS
-    for p in parameters:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        if filled >= _BUCKET_ELEMENTS:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(p.grad)
-        filled += p.grad.numel()
-    for grads in buckets:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            g.copy_(part.view_as(g))
+def sum_over_ranks(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DistributedDataParallel communication hook: one bucket of gradients summed over `group` (the
+    default hook averages them; mopd's loss is normalised by the global batch already)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda done: done.value()[0])

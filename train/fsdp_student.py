@@ -21,8 +21,8 @@ gradient.
 from __future__ import annotations
 
 import types
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from mopd.base.errors import ConfigError
 from mopd.train.distributed import RankGroup
-from mopd.train.student import HFStudent, LossFn, save_tokenizer
-
-
-def _final_states(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, L, H] the backbone's output (after the final norm); bound to the model as a forward method
-    so that FSDP gathers the root unit around it."""
-    return self.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+from mopd.train.student import FinalStates, HFStudent, final_states, save_tokenizer
 
 
 def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -72,8 +66,6 @@ def shard_mesh(world: RankGroup, replicate: int, device: torch.device) -> Any:
 class FSDPStudent(HFStudent):
     """This rank's shards of a transformers student (see the module docstring)."""
 
-    writes_checkpoint_shard = True  # every rank writes its own shard
-
     def __init__(
         self,
         checkpoint: str | Path,
@@ -97,6 +89,7 @@ class FSDPStudent(HFStudent):
             activation_checkpointing=activation_checkpointing,
         )
         self.device = device
+        self.writes_checkpoint_shard = True  # every rank writes its own shard
         self.sync_every_microbatch = sync_every_microbatch
         mesh = shard_mesh(dp, replicate, device)
         policy = (
@@ -105,7 +98,9 @@ class FSDPStudent(HFStudent):
             else MixedPrecisionPolicy()
         )
         model = self.model
-        model.final_states = types.MethodType(_final_states, model)
+        # The backbone's output as a forward method of the model, so that FSDP gathers the root unit
+        # around it.
+        model.final_states = types.MethodType(final_states, model)
         units = [fully_shard(block, mesh=mesh, mp_policy=policy) for block in decoder_blocks(model)]
         embed, output = model.get_input_embeddings(), model.get_output_embeddings()
         tied = output.weight is embed.weight
@@ -117,9 +112,14 @@ class FSDPStudent(HFStudent):
             units.append(fully_shard(embed, mesh=mesh, mp_policy=policy))
         units.append(fully_shard(model, mesh=mesh, mp_policy=policy))
         register_fsdp_forward_method(model, "final_states")
+        self.trunk = model.final_states
         for unit in units:
             unit.set_gradient_divide_factor(1.0)  # the loss is normalised already: sum, never average
             unit.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+
+    def replicate(self, trunk: FinalStates) -> FinalStates:
+        """Nothing yet: the constructor shards the model once it is loaded."""
+        return trunk
 
     @property
     def layout(self) -> dict[str, Any]:
@@ -132,38 +132,26 @@ class FSDPStudent(HFStudent):
         self.head_unit.unshard()
         return self.head
 
-    def forward_backward(
-        self, microbatches: Sequence[Any], loss_fn: LossFn, *, forward_only: bool = False
-    ) -> list:
-        """Forward (and backward) of each of this rank's microbatches, then fillers up to the count of
-        the rank with the most; returns what `loss_fn` gave back for each real microbatch."""
-        counts = self.dp.all_reduce(torch.tensor([len(microbatches)]), op=dist.ReduceOp.MAX)
-        count = int(counts[0])
-        returned = []
-        with torch.no_grad() if forward_only else nullcontext():
-            for i in range(count):
-                if not forward_only and not self.sync_every_microbatch:
-                    self.model.set_requires_gradient_sync(i == count - 1)
-                if i < len(microbatches):
-                    mb = microbatches[i]
-                    hidden = self.hidden_states(mb.input_ids, mb.attention_mask)
-                    loss, extra = loss_fn(hidden[mb.loss_mask.to(self.device)], self.whole_head(), mb)
-                    returned.append(extra)
-                else:
-                    one = torch.ones((1, 1), dtype=torch.long)
-                    hidden = self.hidden_states(one, one)
-                    loss = 0.0 * (hidden.float().sum() + self.whole_head().float().sum())
-                if not forward_only:
-                    loss.backward()
-        # Every unit back to its shard: a backward reshards them itself, a forward alone leaves the
-        # head and the root unit gathered.
+    def microbatch_count(self, held: int, *, forward_only: bool) -> int:
+        """The most microbatches any rank holds: every forward gathers weights from every rank."""
+        return int(self.dp.all_reduce(torch.tensor([held]), op=dist.ReduceOp.MAX)[0])
+
+    @contextmanager
+    def gradient_sync(self, sync: bool) -> Iterator[None]:
+        """Gradients reduce-scattered in this microbatch's backward if `sync` (the step's last one) or
+        after every microbatch (`gradient_sync: microbatch`)."""
+        self.model.set_requires_gradient_sync(sync or self.sync_every_microbatch)
+        yield
+
+    def loss_head(self) -> torch.Tensor:
+        return self.whole_head()
+
+    def after_microbatches(self) -> None:
+        """Every unit back to its shard: a backward reshards them itself, a forward alone leaves the
+        head and the root unit gathered."""
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
-        return returned
-
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.model.final_states(input_ids.to(self.device), attention_mask.to(self.device))
 
     def finish_gradients(self) -> None:
         """Nothing: the backward of the step's last microbatch reduce-scattered every gradient."""

@@ -22,7 +22,7 @@ from mopd.mcore.cpu_compat import megatron_device
 from mopd.mcore.model import load_stage, load_state, stage_forward
 from mopd.mcore.parallel import ModelParallelGroup
 from mopd.store.manifest import Manifest
-from mopd.train.distributed import RankGroup, sum_gradients
+from mopd.train.distributed import RankGroup
 from mopd.train.student import LossFn, check_tokenizer, load_student_tokenizer, save_tokenizer
 
 
@@ -55,6 +55,7 @@ class MegatronStudent:
         )
         self.layers_per_stage = self.shape.num_layers // group.pp
         self.model.train()
+        self.replicas = _data_parallel(self.model, group.device)
         self.holds_loss = group.is_last_stage
         self.reports = group.is_last_stage and group.tp_rank == 0
         self.shard = shard_name(group.tp_rank, group.pp_rank)
@@ -159,23 +160,17 @@ class MegatronStudent:
         )
 
     def finish_gradients(self) -> None:
-        """Completes what the backward leaves partial: under sequence parallelism the norms' weights,
-        each rank having seen its share of the sequence, sum their gradients over the tensor-parallel
-        ranks; the two copies of a tied embedding (first and last stage) sum theirs; then every
-        gradient is summed over the data-parallel replicas (the loss is already normalised by the
-        global token count)."""
-        from megatron.core import parallel_state
+        """Completes the gradients with megatron-core's `finalize_model_grads`: summed over the
+        data-parallel replicas (the loss is normalised by the global token count already), the norms'
+        weights under sequence parallelism summed over the tensor-parallel ranks (each saw its share of
+        the sequence), the tied embedding's two copies (first and last stage) summed. The optimizer then
+        reads them as `grad`."""
+        from megatron.core.distributed import finalize_model_grads
 
-        params = self.parameters()
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if self.group.sequence_parallel:
-            sum_gradients([p for p in params if getattr(p, "sequence_parallel", False)], self.tp_group)
-        if self.shape.tied and self.group.pp > 1 and parallel_state.is_rank_in_embedding_group():
-            weight = self.model.shared_embedding_or_output_weight()
-            dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
-        self.data_parallel().sum_gradients(params)
+        with megatron_device(self.group.device):
+            finalize_model_grads([self.replicas])
+        for p in self.parameters():
+            p.grad = p.main_grad  # type: ignore[attr-defined]  # the replicas' buffer, set by megatron-core
 
     def grad_norm(self) -> float:
         """The global gradient norm of the whole student: tensor-parallel shards summed over their ranks,
@@ -215,6 +210,8 @@ class MegatronStudent:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         returned: list = []
+        if not forward_only:  # the step's gradients accumulate into the replicas' zeroed buffer
+            self.replicas.zero_grad_buffer()
         if not microbatches:  # a data-parallel replica with no rows in this step
             return returned
         head = self.head if self.group.is_last_stage else None
@@ -246,3 +243,14 @@ class MegatronStudent:
                 forward_only=forward_only,
             )
         return returned
+
+
+def _data_parallel(model: torch.nn.Module, device: torch.device) -> Any:
+    """megatron-core's DistributedDataParallel around `model`: each parameter's gradient accumulates in
+    a contiguous buffer (`main_grad`) that `finalize_model_grads` reduces over the data-parallel group
+    in buckets, once a step. Without a distributed optimizer or overlapped reduction it runs on the CPU
+    too (gloo)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    with megatron_device(device):
+        return DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)

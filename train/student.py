@@ -4,6 +4,13 @@
 those states and the output layer's weight (`head`) and calls the fused kernels, so the student's
 [tokens × vocab] logits are never formed. Tied embeddings work unchanged: `head` is then the embedding
 matrix, and its gradient gathers both uses.
+
+On several ranks each holds the whole student, wrapped in torch's DistributedDataParallel: the
+backward of a step's last microbatch sums every gradient over the ranks (in buckets, overlapping the
+rest of that backward); the earlier microbatches accumulate locally (`no_sync`). The trainer normalises
+the loss by the global batch, so the reduction sums, never averages. Every rank runs as many
+microbatches as the rank with the most: the others run a one-token filler whose loss is 0 × (its
+outputs), which adds exact zeros to every gradient.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from mopd.base.errors import ConfigError
 from mopd.store.fingerprint import vocab_hash
 from mopd.store.manifest import Manifest
 from mopd.store.transform import LogitTransform
-from mopd.train.distributed import RankGroup
+from mopd.train.distributed import RankGroup, sum_over_ranks
 
 # (final hidden states of the trained tokens [N, H], this rank's output-layer shard, microbatch)
 # -> (loss to back-propagate, anything the caller wants back)
@@ -157,11 +164,28 @@ class HFStudent:
         output = self.model.get_output_embeddings()
         if output is None or getattr(output, "bias", None) is not None:
             raise ConfigError(f"train.student: {self.checkpoint} has no bias-free linear output layer")
-        self.backbone = self.model.base_model
         self.tokenizer = load_student_tokenizer(self.checkpoint)
         if activation_checkpointing:  # each decoder block recomputes its activations in the backward
             self.model.config.use_cache = False  # no generation cache while training (they conflict)
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.trunk: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.replicate(
+            FinalStates(self.model)
+        )
+
+    def replicate(self, trunk: FinalStates) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """`trunk` as the data-parallel ranks run it: wrapped in DistributedDataParallel, summing."""
+        if not self.dp.enabled:
+            return trunk
+        from torch.nn.parallel import DistributedDataParallel
+
+        replicated = DistributedDataParallel(
+            trunk,
+            device_ids=[self.device] if self.device.type == "cuda" else None,
+            process_group=self.dp.group,
+            broadcast_buffers=False,  # rotary tables only: the same on every rank, never trained
+        )
+        replicated.register_comm_hook(self.dp.group, sum_over_ranks)
+        return replicated
 
     @property
     def head(self) -> torch.nn.Parameter:
@@ -198,23 +222,50 @@ class HFStudent:
     def forward_backward(
         self, microbatches: Sequence[Any], loss_fn: LossFn, *, forward_only: bool = False
     ) -> list:
-        """Forward (and, unless `forward_only`, backward) of each microbatch in turn; returns what
-        `loss_fn` gave back for each. Microbatches need `input_ids`, `attention_mask` and `loss_mask`."""
+        """Forward (and, unless `forward_only`, backward) of each microbatch in turn, then fillers up to
+        the count the replicas agree on (`microbatch_count`); returns what `loss_fn` gave back for each
+        real microbatch. Microbatches need `input_ids`, `attention_mask` and `loss_mask`."""
+        count = self.microbatch_count(len(microbatches), forward_only=forward_only)
         returned = []
-        device = self.device
         with torch.no_grad() if forward_only else nullcontext():
-            for mb in microbatches:
-                hidden = self.hidden_states(mb.input_ids.to(device), mb.attention_mask.to(device))
-                head = self.head if self.compute_dtype is None else self.head.to(self.compute_dtype)
-                loss, extra = loss_fn(hidden[mb.loss_mask.to(device)], head, mb)
-                if not forward_only:
-                    loss.backward()
-                returned.append(extra)
+            for i in range(count):
+                with self.gradient_sync(forward_only or i == count - 1):
+                    if i < len(microbatches):
+                        mb = microbatches[i]
+                        hidden = self.hidden_states(mb.input_ids, mb.attention_mask)
+                        loss, extra = loss_fn(hidden[mb.loss_mask.to(self.device)], self.loss_head(), mb)
+                        returned.append(extra)
+                    else:
+                        one = torch.ones((1, 1), dtype=torch.long)
+                        hidden = self.hidden_states(one, one)
+                        loss = 0.0 * (hidden.float().sum() + self.loss_head().float().sum())
+                    if not forward_only:
+                        loss.backward()
+        self.after_microbatches()
         return returned
 
+    def microbatch_count(self, held: int, *, forward_only: bool) -> int:
+        """Microbatches this rank runs: the most any replica holds where the replicas reduce gradients
+        in the backward (each reduction needs every rank), else the `held` ones."""
+        if forward_only or not self.dp.enabled:
+            return held
+        return int(self.dp.all_reduce(torch.tensor([held]), op=torch.distributed.ReduceOp.MAX)[0])
+
+    def gradient_sync(self, sync: bool) -> Any:
+        """Around one microbatch: its backward reduces the gradients over the replicas only if `sync`
+        (the step's last one); before that they accumulate on each rank."""
+        no_sync = getattr(self.trunk, "no_sync", None)
+        return nullcontext() if sync or no_sync is None else no_sync()
+
+    def loss_head(self) -> torch.Tensor:
+        """The output layer as the loss takes it (in the compute dtype under mixed precision)."""
+        return self.head if self.compute_dtype is None else self.head.to(self.compute_dtype)
+
+    def after_microbatches(self) -> None:
+        """Nothing to release after a step's microbatches."""
+
     def finish_gradients(self) -> None:
-        """Sums the gradients over the data-parallel replicas."""
-        self.dp.sum_gradients(self.parameters())
+        """Nothing: the backward of the step's last microbatch summed the gradients over the replicas."""
 
     def clip_gradients(self, max_norm: float) -> float:
         """Clips the global gradient norm to `max_norm`; returns the norm before clipping."""
@@ -223,7 +274,7 @@ class HFStudent:
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, L, H] final hidden states (after the last norm), the output layer's input."""
         with self.autocast():
-            hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            hidden = self.trunk(input_ids.to(self.device), attention_mask.to(self.device))
         return hidden if self.compute_dtype is None else hidden.to(self.compute_dtype)
 
     def autocast(self) -> Any:
@@ -264,3 +315,20 @@ class HFStudent:
             )
         if tied:
             self.model.tie_weights()
+
+
+class FinalStates(torch.nn.Module):
+    """The backbone's output (after the final norm) as a module's forward, over the whole model: what
+    a data-parallel wrapper wraps (the output layer's gradient comes from the loss, outside it)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return final_states(self.model, input_ids, attention_mask)
+
+
+def final_states(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, L, H] a transformers causal LM's backbone output, the input of its output layer."""
+    return model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state

@@ -124,15 +124,19 @@ def test_fsdp_trains_as_one_hf_process(
     assert read_metrics(tmp_path / "fsdp" / METRICS_FILE)[-1]["step"] == 10
 
 
-def _head_gradient(rank: int, world_size: int, student: str, batches: list[list[torch.Tensor]]) -> Any:
+def _head_gradient(
+    rank: int, world_size: int, backend: str, student: str, batches: list[list[torch.Tensor]]
+) -> Any:
     """The whole output-layer and embedding gradients after this rank's microbatches (of `batches[rank]`,
     maybe none), each loss Σ logsumexp(hidden · headᵀ) over its tokens."""
+    from torch.distributed.tensor import DTensor
+
     from mopd.train.distributed import RankGroup
     from mopd.train.fsdp_student import FSDPStudent
+    from mopd.train.student import HFStudent
 
-    model = FSDPStudent(
-        student, device=torch.device("cpu"), dtype=torch.float32, dp=RankGroup(rank, world_size)
-    )
+    kind = FSDPStudent if backend == "fsdp" else HFStudent
+    model = kind(student, device=torch.device("cpu"), dtype=torch.float32, dp=RankGroup(rank, world_size))
 
     class Batch:
         def __init__(self, ids: torch.Tensor) -> None:
@@ -143,18 +147,26 @@ def _head_gradient(rank: int, world_size: int, student: str, batches: list[list[
         return (hidden @ head.T).logsumexp(-1).sum(), None
 
     model.forward_backward([Batch(ids) for ids in batches[rank]], loss_fn)
-    grads = {name: p.grad.full_tensor() for name, p in model.model.named_parameters()}
+    model.finish_gradients()
+    grads = {
+        name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        for name, p in model.model.named_parameters()
+    }
     return {name: grads[name] for name in ("lm_head.weight", "model.embed_tokens.weight") if name in grads}
 
 
-@pytest.mark.parametrize(("ranks", "tied"), [(2, False), (3, False), (3, True)])
+@pytest.mark.parametrize(
+    ("backend", "ranks", "tied"),
+    [("fsdp", 2, False), ("fsdp", 3, False), ("fsdp", 3, True), ("hf", 3, False), ("hf", 3, True)],
+)
 def test_the_heads_gradient_is_summed_over_the_ranks(
-    world: World, tmp_path: Path, ranks: int, tied: bool
+    world: World, tmp_path: Path, backend: str, ranks: int, tied: bool
 ) -> None:
     """Each rank's own tokens reach the head through the loss only: the whole gradient is the sum over
-    every rank's microbatches (a head gathered without reduction would hold one rank's share). Rank 0
-    runs two microbatches, rank 1 one, a third rank none (fillers only). Tied: the embedding matrix is
-    the head, one unit, its gradient from both uses."""
+    every rank's microbatches (a head gathered without reduction would hold one rank's share; an
+    averaging reduction, DistributedDataParallel's default, 1/W of the sum). Rank 0 runs two
+    microbatches, rank 1 one, a third rank none (fillers only). Tied: the embedding matrix is the head
+    (under fsdp one unit), its gradient from both uses. `hf`: whole replicas under torch's DDP."""
     from mopd.train.distributed import RankGroup
     from mopd.train.student import HFStudent
     from tests.precompute.teachers import make_tokenizer, save_teacher
@@ -171,7 +183,9 @@ def test_the_heads_gradient_is_summed_over_the_ranks(
         )
     gen = torch.Generator().manual_seed(5)
     batches = [[torch.randint(0, 200, (2, 9), generator=gen) for _ in range(2 - r)] for r in range(ranks)]
-    got = run_distributed(_head_gradient, world_size=ranks, args=(str(student), batches), timeout=120)[0]
+    got = run_distributed(
+        _head_gradient, world_size=ranks, args=(backend, str(student), batches), timeout=120
+    )[0]
 
     whole = HFStudent(student, device=torch.device("cpu"), dtype=torch.float32, dp=RankGroup())
     for ids in (ids for rank in batches for ids in rank):
