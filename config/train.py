@@ -134,6 +134,15 @@ class TrainConfig(Section):
                 "dtype bfloat16 with mixed_precision bf16: mixed precision keeps fp32 master weights; "
                 "set dtype: float32 (the default) with mixed_precision: bf16"
             )
+        if self.mixed_precision == "bf16" and self.parallel.sequence_parallel:
+            # megatron-core's sequence-parallel linear layers allocate their gradient buffers in the
+            # input's dtype (fp32 under autocast) and reduce-scatter bf16 gradients into them.
+            raise ValueError(
+                "mixed_precision bf16 with parallel.sequence_parallel: megatron-core's sequence-parallel "
+                "layers need one dtype for activations and gradients, which autocast's bf16 products over "
+                "fp32 weights do not give; turn sequence_parallel off (tensor parallelism still splits "
+                "the layers) or mixed_precision off"
+            )
         return self
 
     @model_validator(mode="before")

@@ -24,9 +24,12 @@ def transformer_config(
     dtype: torch.dtype,
     sequence_parallel: bool = False,
     recompute: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> Any:
     """The TransformerConfig that computes what the HF model computes (no dropout, no fused kernels);
-    with `recompute`, each layer keeps only its input and recomputes the rest in the backward."""
+    with `recompute`, each layer keeps only its input and recomputes the rest in the backward;
+    `compute_dtype`: what the stages send each other when they compute in another dtype than their
+    weights' (under autocast)."""
     from megatron.core.transformer import TransformerConfig
 
     config = TransformerConfig(
@@ -48,7 +51,7 @@ def transformer_config(
         pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel,
         params_dtype=dtype,
-        pipeline_dtype=dtype,
+        pipeline_dtype=compute_dtype or dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True,
         bias_dropout_fusion=False,
@@ -107,12 +110,19 @@ def gpt_model(
     post_process: bool,
     sequence_parallel: bool = False,
     recompute: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> Any:
     """This rank's GPTModel (its pipeline stage, its tensor-parallel shards), weights uninitialised."""
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(
-        shape, tp=tp, pp=pp, dtype=dtype, sequence_parallel=sequence_parallel, recompute=recompute
+        shape,
+        tp=tp,
+        pp=pp,
+        dtype=dtype,
+        sequence_parallel=sequence_parallel,
+        recompute=recompute,
+        compute_dtype=compute_dtype,
     )
     return GPTModel(
         config,
@@ -217,11 +227,12 @@ def load_stage(
     *,
     what: str,
     recompute: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[Any, GPTShape]:
     """(this rank's GPTModel stage with its converted weights on its device, the model's shape).
 
     `what` names the model in errors (`teacher ckpt/x`, `train.student`); `recompute`: activation
-    checkpointing of every layer.
+    checkpointing of every layer; `compute_dtype`: the dtype of the stages' activations under autocast.
 
     Raises:
         ConfigError: not a convertible Llama/Qwen2 checkpoint, no safetensors weights, or a layout that
@@ -260,6 +271,7 @@ def load_stage(
             post_process=group.is_last_stage,
             sequence_parallel=group.sequence_parallel,
             recompute=recompute,
+            compute_dtype=compute_dtype,
         )
     load_state(model, state)
     return model.to(group.device), shape

@@ -10,6 +10,7 @@ as in the hf backend. Microbatches go through megatron-core's pipeline schedules
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -44,14 +45,21 @@ class MegatronStudent:
         *,
         group: ModelParallelGroup,
         dtype: torch.dtype,
+        mixed_precision: bool = False,
         activation_checkpointing: bool = False,
     ) -> None:
+        self.compute_dtype = torch.bfloat16 if mixed_precision else None
         self.checkpoint = Path(checkpoint)
         if not self.checkpoint.is_dir():
             raise ConfigError(f"train.student: {self.checkpoint} is not a checkpoint folder")
         self.group = group
         self.model, self.shape = load_stage(
-            self.checkpoint, group, dtype, what="train.student", recompute=activation_checkpointing
+            self.checkpoint,
+            group,
+            dtype,
+            what="train.student",
+            recompute=activation_checkpointing,
+            compute_dtype=self.compute_dtype,
         )
         self.layers_per_stage = self.shape.num_layers // group.pp
         self.model.train()
@@ -225,14 +233,23 @@ class MegatronStudent:
             def loss_func(output_LBH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
                 assert head is not None  # the schedule calls losses on the last stage only
                 hidden_NH = output_LBH.transpose(0, 1)[mb.loss_mask.to(output_LBH.device)]
-                loss, extra = loss_fn(hidden_NH, head, mb)
+                loss_head: torch.Tensor = head
+                if self.compute_dtype is not None:  # the kernel gets bf16 states and head
+                    hidden_NH, loss_head = hidden_NH.to(self.compute_dtype), head.to(self.compute_dtype)
+                with torch.autocast(self.group.device.type, enabled=False):  # the kernel's own policy
+                    loss, extra = loss_fn(hidden_NH, loss_head, mb)
                 returned.append(extra)
                 return loss, torch.tensor(hidden_NH.shape[0]), {"loss": loss.detach()}
 
             return output, loss_func
 
         longest = max(mb.input_ids.shape[1] for mb in microbatches)
-        with megatron_device(self.group.device):
+        autocast = (
+            torch.autocast(self.group.device.type, dtype=self.compute_dtype)
+            if self.compute_dtype is not None
+            else nullcontext()
+        )
+        with megatron_device(self.group.device), autocast:
             get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iter(microbatches),

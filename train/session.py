@@ -185,14 +185,13 @@ def _load_student(tc: TrainConfig, device: torch.device, world: RankGroup, exits
         from mopd.mcore.parallel import ModelParallelGroup
         from mopd.train.megatron_student import MegatronStudent
 
-        if tc.mixed_precision != "none":
-            raise ConfigError(
-                "train.mixed_precision is not built for the megatron backend yet (megatron-core's bf16 "
-                "layers need its own fp32-master optimizer); use train.backend fsdp or hf for it"
-            )
         group = exits.enter_context(ModelParallelGroup.start(tc.parallel, device, what="train.parallel"))
         student: TrainStudent = MegatronStudent(
-            tc.student, group=group, dtype=dtype, activation_checkpointing=tc.activation_checkpointing
+            tc.student,
+            group=group,
+            dtype=dtype,
+            mixed_precision=tc.mixed_precision == "bf16",
+            activation_checkpointing=tc.activation_checkpointing,
         )
     elif tc.backend == "fsdp":
         from mopd.train.fsdp_student import FSDPStudent

@@ -61,6 +61,11 @@ def test_unknown_key_is_named(tmp_path: Path) -> None:
             r"mixed precision keeps fp32 master weights; set dtype: float32",
         ),
         ("{student: s, mixed_precision: fp16}", r"`train.mixed_precision`: Input should be 'none' or 'bf16'"),
+        (
+            "{student: s, backend: megatron, mixed_precision: bf16, "
+            "parallel: {tp: 2, sequence_parallel: true}}",
+            r"mixed_precision bf16 with parallel.sequence_parallel: .*turn sequence_parallel off",
+        ),
     ],
 )
 def test_bad_value_is_named(tmp_path: Path, train: str, message: str) -> None:

@@ -175,6 +175,28 @@ def test_activation_checkpointing_trains_the_same_values(setup: Setup, single: T
     assert calls[0] == 0 and calls[1] > 0 and calls[1] % 2 == 0
 
 
+def test_mixed_precision_under_tp2_pp2_follows_the_fp32_run(setup: Setup, single: TrainResult) -> None:
+    """TP2×PP2 with recomputation, bf16 compute: the fp32 hf run's 5 steps within bf16 rounding (the
+    stages send each other what autocast leaves in fp32, the residual stream); the checkpoint's weights
+    and AdamW moments are fp32. (Sequence parallelism is refused with it: `TrainConfig`.)"""
+    from tests.train.test_precision import assert_bf16_of
+
+    config = setup.config(
+        "bf16",
+        backend="megatron",
+        parallel={"tp": 2, "pp": 2},
+        mixed_precision="bf16",
+        activation_checkpointing=True,
+    )
+    output = setup.root / "bf16-run"
+    run_torchrun(["train", str(config), "--output", str(output)], nproc=4)
+    assert_bf16_of(split(read_metrics(output / METRICS_FILE))[0], split(single.records)[0])
+    saved = sorted((output / "checkpoints").glob("step_*"))[-1]
+    files = list(saved.glob("**/*.safetensors"))  # weights and optimizer state of every shard
+    dtypes = {t.dtype for f in files for t in load_file(f).values() if t.is_floating_point()}
+    assert len(files) >= 8 and dtypes == {torch.float32}
+
+
 def _recomputed_layers(rank: int, world: int, configs: list[str]) -> list[int]:
     """How often megatron-core's activation checkpointing ran in one step of each config."""
     from megatron.core import tensor_parallel

@@ -1,6 +1,7 @@
 """Precision settings of the student: pure bf16 warns with what it costs, bf16 mixed precision keeps
-fp32 master weights and AdamW state while it computes in bf16 (the fsdp backend's is in
-tests/distributed/test_train_fsdp.py)."""
+fp32 master weights and AdamW state while it computes in bf16, on the hf and megatron backends (the
+fsdp backend's is in tests/distributed/test_train_fsdp.py, megatron's under TP2×PP2 in
+tests/distributed/test_train_megatron.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from mopd.base.errors import ConfigError
 from mopd.train.precision import unchanged_share
 from mopd.train.trainer import Trainer
-from tests.tolerance import assert_close, bf16_trajectory_rtol, mean_over
+from tests.tolerance import assert_close, bf16_trajectory_rtol, learned, mean_over
 from tests.train.world import World, world_config
 
 
@@ -94,10 +94,31 @@ def test_mixed_precision_follows_the_fp32_run(world: World, tmp_path: Path) -> N
     assert_bf16_of(train_records(world, tmp_path / "bf16", mixed_precision="bf16"), fp32)
 
 
-def test_mixed_precision_on_the_megatron_backend_is_refused(world: World, tmp_path: Path) -> None:
-    """Not built there yet: refused when the run starts, naming the backends that have it."""
-    config = world_config(world, tmp_path, backend="megatron", mixed_precision="bf16")
-    with pytest.raises(
-        ConfigError, match=r"mixed_precision is not built for the megatron backend.*fsdp or hf"
-    ):
-        Trainer(config, log=lambda _l: None)
+def test_mixed_precision_on_the_megatron_backend(world: World, tmp_path: Path) -> None:
+    """megatron-core's layers under torch.autocast: fp32 weights and AdamW moments, bf16 products; 10
+    steps follow the fp32 run within bf16 rounding; with recomputation the same values bit for bit (the
+    layers rerun under the same autocast, on the same inputs)."""
+    config = world_config(world, tmp_path / "dtypes", backend="megatron", mixed_precision="bf16", steps=2)
+    with Trainer(config, log=lambda _l: None) as trainer:
+        computed: list[torch.dtype] = []
+        qkv = trainer.student.model.decoder.layers[0].self_attention.linear_qkv
+        qkv.register_forward_hook(lambda _m, _i, out: computed.append(out[0].dtype))
+        trainer.run()
+        assert {p.dtype for p in trainer.student.parameters()} == {torch.float32}
+        moments = [s[k] for s in trainer.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        assert moments and {m.dtype for m in moments} == {torch.float32}
+    assert computed and set(computed) == {torch.bfloat16}
+
+    fp32 = train_records(world, tmp_path / "fp32")
+    runs = [
+        train_records(
+            world,
+            tmp_path / f"bf16-{on}",
+            backend="megatron",
+            mixed_precision="bf16",
+            activation_checkpointing=on,
+        )
+        for on in (False, True)
+    ]
+    assert_bf16_of(runs[0], fp32)
+    assert learned(runs[1]) == learned(runs[0])
