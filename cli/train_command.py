@@ -42,8 +42,8 @@ def train_command(
     Single process: `mopd train CONFIG`. Data parallel (hf backend) or tensor × pipeline × data parallel
     (train.backend megatron, train.parallel tp/pp): `torchrun --nproc-per-node N -m mopd.cli train CONFIG`
     (gloo on CPU, NCCL on GPU). Writes OUTPUT/metrics.jsonl, OUTPUT/metrics.png and
-    OUTPUT/checkpoints/step_NNNNNNNN/ (the student under model/: a transformers checkpoint, or one shard
-    per tensor-parallel slice and stage on the megatron backend — see `mopd export-hf`).
+    OUTPUT/checkpoints/step_NNNNNNNN/ (the student under model/: a transformers checkpoint; on the fsdp
+    and megatron backends its config, and every rank's shards under state/ — see `mopd export-hf`).
     """
     from mopd.train.export import export_hf  # torch and transformers: imported for this command only
     from mopd.train.trainer import run_training

@@ -10,16 +10,14 @@
         COMPLETE                written last: lists every other file with its size and sha256; a folder
                                 without it is not a checkpoint, a file that differs from it is named
 
-A megatron student writes one shard per tensor-parallel slice and pipeline stage instead:
-`model/tpXX-ppYY.safetensors` (its Megatron parameter names; the first shard adds the student's config
-and tokenizer files) and `optimizer-tpXX-ppYY.safetensors`; `mopd export-hf` joins the shards into a
-transformers checkpoint. The layout (backend, tp, pp) is in state.json, and a run resumes only a
-checkpoint of its own layout.
-
-An fsdp student's checkpoint holds its shards instead: `state/` is torch's distributed checkpoint of
-the weights and AdamW state (one `__<rank>_0.distcp` file per rank, written by that rank, and a
-`.metadata` index) and `model/` the student's config and tokenizer files. It loads on any rank count
-(the shards are re-cut), and `mopd export-hf` reads it whole into a transformers checkpoint.
+Sharded students write their shards instead, into `state/`, and only the student's config and
+tokenizer files into `model/`. fsdp: torch's distributed checkpoint of the weights and AdamW state (one
+`__<rank>_0.distcp` file per rank, written by that rank, and a `.metadata` index); it loads on any rank
+count (the shards are re-cut). megatron: megatron-core's `dist_checkpointing` of the same (each tensor
+a slice of the whole one, written by the first data-parallel replica holding it); it loads at any
+tp × pp and data-parallel size. `mopd export-hf` reads either whole into a transformers checkpoint. The
+layout (backend, and for megatron the checkpoint format) is in state.json; a run resumes only a
+checkpoint of its own backend.
 
 A checkpoint is written under a temporary name, fsynced, and published by a rename, so a crash leaves
 either nothing or a complete checkpoint; the temporaries of killed saves are removed when the run
@@ -50,7 +48,6 @@ from mopd.base.jsonio import describe_location, read_json
 from mopd.store.teachers import TeacherIdentity, write_teacher_list
 from mopd.train.data_order import LoaderState
 from mopd.train.distributed import RankGroup
-from mopd.train.fsdp_student import FSDPStudent
 from mopd.train.student import TrainStudent
 
 _NAME = re.compile(r"^step_(\d{8})$")
@@ -106,8 +103,7 @@ def parameter_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return groups
 
 
-def optimizer_file(shard: str) -> str:
-    return f"optimizer-{shard}.safetensors" if shard else "optimizer.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"  # a whole student's AdamW state
 
 
 def save_checkpoint(
@@ -138,7 +134,7 @@ def save_checkpoint(
         (made / "model").mkdir(parents=True)
     temp = Path(world.broadcast_object(str(made)))
     try:
-        if isinstance(student, FSDPStudent):
+        if student.sharded_checkpoint:
             with faults.io("write", temp / "model"):
                 student.save(temp / "model")
             with faults.io("write", temp / SHARDED_STATE):
@@ -150,7 +146,7 @@ def save_checkpoint(
                 assert whole is not None  # the writer is its replicas' first rank
                 with faults.io("write", temp / "model"):
                     student.save(temp / "model")
-                optimizer_path = temp / optimizer_file(student.shard)
+                optimizer_path = temp / OPTIMIZER_FILE
                 with faults.io("write", optimizer_path):
                     save_file(_optimizer_tensors(whole), str(optimizer_path))
         world.barrier()
@@ -317,26 +313,24 @@ def load_weights(
     """The student's weights and, given an optimizer, its AdamW moments and step counts; with
     `hyper_parameters` also the checkpoint's learning rate and the rest (a resume), else the optimizer
     keeps its own (a new run started from the checkpoint)."""
-    if isinstance(student, FSDPStudent):
-        own = [dict(g) for g in optimizer.param_groups] if optimizer is not None else []
+    own = parameter_groups(optimizer) if optimizer is not None else []
+    if student.sharded_checkpoint:
         student.load_sharded(folder / SHARDED_STATE, optimizer)
-        if optimizer is not None and not hyper_parameters:  # keep this run's learning rate and the rest
-            for group, mine in zip(optimizer.param_groups, own, strict=True):
-                group.update({k: v for k, v in mine.items() if k != "params"})
-        return
-    student.load_weights(folder / "model")
+    else:
+        student.load_weights(folder / "model")
+        if optimizer is not None:
+            tensors = load_file(str(folder / OPTIMIZER_FILE))
+            slots: dict[int, dict[str, torch.Tensor]] = {}
+            for key, value in tensors.items():
+                position, name = key.split(".", 1)
+                slots.setdefault(int(position), {})[name] = value
+            optimizer.load_state_dict(
+                {"state": slots, "param_groups": optimizer.state_dict()["param_groups"]}
+            )
     if optimizer is None:
         return
-    tensors = load_file(str(folder / optimizer_file(student.shard)))
-    slots: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        position, name = key.split(".", 1)
-        slots.setdefault(int(position), {})[name] = value
-    # Hyper-parameters from the run, parameter positions from this rank's own optimizer (its shard's).
-    own = parameter_groups(optimizer)
-    saved = state.param_groups if hyper_parameters else own
-    groups = [
-        {**g, "params": mine["params"], **({"betas": tuple(g["betas"])} if "betas" in g else {})}
-        for g, mine in zip(saved, own, strict=True)
-    ]
-    optimizer.load_state_dict({"state": slots, "param_groups": groups})
+    # Hyper-parameters from the run (a resume) or this run's own (a new run from the checkpoint).
+    for group, saved in zip(
+        optimizer.param_groups, state.param_groups if hyper_parameters else own, strict=True
+    ):
+        group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items() if k != "params"})

@@ -1,16 +1,20 @@
 """`mopd export-hf`: a training checkpoint's student as a transformers checkpoint.
 
-An hf-backend checkpoint already holds one (`model/`), which is copied. A megatron-backend checkpoint
-holds one weights file per tensor-parallel slice and pipeline stage in Megatron's names; they are joined
-by mopd's weight conversion (`mopd.mcore.convert.megatron_to_hf`, bit-exact, vocabulary padding
-dropped) into the student's own architecture. An fsdp-backend checkpoint holds its shards as torch's
-distributed checkpoint, read whole in this one process. Needs no process group and no megatron-core.
+An hf-backend checkpoint already holds one (`model/`), which is copied. An fsdp-backend checkpoint
+holds its shards as torch's distributed checkpoint, read whole in this one process. A megatron-backend
+checkpoint holds megatron-core's distributed checkpoint: it loads into a one-rank GPTModel (tp = pp =
+1, megatron-core re-cutting the slices) whose weights mopd's conversion
+(`mopd.mcore.convert.megatron_to_hf`, bit-exact, vocabulary padding dropped) turns into the student's own
+architecture; earlier mopd versions wrote one weights file per tensor-parallel slice and pipeline stage
+instead, which the same conversion joins.
 """
 
 from __future__ import annotations
 
 import shutil
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -32,25 +36,83 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def _join_megatron_shards(model_dir: Path, tp: int, pp: int, folder: Path) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """An earlier mopd's megatron checkpoint: `model/tpXX-ppYY.safetensors` per slice and stage."""
+    from transformers import AutoConfig
 
     from mopd.mcore.convert import GPTShape, megatron_to_hf
-    from mopd.train.megatron_student import shard_name
+
+    shape = GPTShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    names = [[f"tp{t:02d}-pp{p:02d}" for t in range(tp)] for p in range(pp)]
+    missing = [name for stage in names for name in stage if not (model_dir / f"{name}.safetensors").exists()]
+    if missing:
+        raise ConfigError(f"{model_dir}: shards {', '.join(missing)} of tp={tp} × pp={pp} are missing")
+    stages = [[load_file(str(model_dir / f"{name}.safetensors")) for name in stage] for stage in names]
+    _save_converted(
+        megatron_to_hf(stages, shape, layers_per_stage=[shape.num_layers // pp] * pp), model_dir, folder
+    )
+
+
+def _gather_megatron_state(checkpoint: Path, dtype: str, folder: Path) -> None:
+    """The whole student from megatron-core's distributed checkpoint, loaded at tp = pp = 1 here."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from transformers import AutoConfig
+
+    from mopd.config.parallel import ParallelConfig
+    from mopd.mcore.convert import GPTShape, megatron_to_hf
+    from mopd.mcore.cpu_compat import install_cpu_rng_tracker, megatron_device
+    from mopd.mcore.model import gpt_model, load_state
+    from mopd.mcore.parallel import ModelParallelGroup
+
+    shape = GPTShape.from_hf_config(AutoConfig.from_pretrained(checkpoint / "model"))
+    cpu = torch.device("cpu")
+    with (
+        _world_of_one(),
+        ModelParallelGroup.start(ParallelConfig(), cpu, what="export-hf"),
+        megatron_device(cpu),
+    ):
+        install_cpu_rng_tracker()
+        model = gpt_model(shape, tp=1, pp=1, dtype=getattr(torch, dtype), pre_process=True, post_process=True)
+        load_state(
+            model,
+            dist_checkpointing.load({"model": model.sharded_state_dict()}, str(checkpoint / SHARDED_STATE))[
+                "model"
+            ],
+        )
+        weights = {
+            k: v
+            for k, v in model.state_dict().items()
+            if isinstance(v, torch.Tensor) and not k.endswith("._extra_state")
+        }
+    _save_converted(
+        megatron_to_hf([[weights]], shape, layers_per_stage=[shape.num_layers]), checkpoint / "model", folder
+    )
+
+
+@contextmanager
+def _world_of_one() -> Iterator[None]:
+    """A process group of this process alone (also inside torchrun's environment: the export runs on
+    one rank, after the run's own group is gone), unless one is already up."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _save_converted(state: dict, model_dir: Path, folder: Path) -> None:
+    """Converted HF weights as the student's own architecture (config and tokenizer from `model_dir`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mopd.mcore.convert import GPTShape
 
     config = AutoConfig.from_pretrained(model_dir)
     shape = GPTShape.from_hf_config(config)
-    missing = [
-        shard_name(t, p)
-        for p in range(pp)
-        for t in range(tp)
-        if not (model_dir / f"{shard_name(t, p)}.safetensors").exists()
-    ]
-    if missing:
-        raise ConfigError(f"{model_dir}: shards {', '.join(missing)} of tp={tp} × pp={pp} are missing")
-    stages = [
-        [load_file(str(model_dir / f"{shard_name(t, p)}.safetensors")) for t in range(tp)] for p in range(pp)
-    ]
-    state = megatron_to_hf(stages, shape, layers_per_stage=[shape.num_layers // pp] * pp)
     dtype = next(iter(state.values())).dtype
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     missing_keys, unexpected = model.load_state_dict(state, strict=False)
@@ -98,8 +160,10 @@ def export_hf(checkpoint: Path, output: Path) -> Path:
     temp = unique_temp_name(output)
     temp.mkdir(parents=True)
     try:
-        if layout["backend"] == "megatron":
+        if layout["backend"] == "megatron" and "tp" in layout:  # an earlier mopd's per-slice files
             _join_megatron_shards(checkpoint / "model", int(layout["tp"]), int(layout["pp"]), temp)
+        elif layout["backend"] == "megatron":
+            _gather_megatron_state(checkpoint, str(state.run.get("train.dtype", "float32")), temp)
         elif layout["backend"] == "fsdp":
             _gather_fsdp_shards(checkpoint, str(state.run.get("train.dtype", "float32")), temp)
         else:

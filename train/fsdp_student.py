@@ -90,6 +90,7 @@ class FSDPStudent(HFStudent):
         )
         self.device = device
         self.writes_checkpoint_shard = True  # every rank writes its own shard
+        self.sharded_checkpoint = True
         self.sync_every_microbatch = sync_every_microbatch
         mesh = shard_mesh(dp, replicate, device)
         policy = (

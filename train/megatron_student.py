@@ -16,20 +16,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 
 from mopd.base.errors import ConfigError
 from mopd.mcore.cpu_compat import megatron_device
 from mopd.mcore.model import load_stage, load_state, stage_forward
 from mopd.mcore.parallel import ModelParallelGroup
 from mopd.store.manifest import Manifest
+from mopd.train.checkpoint import parameter_groups, whole_optimizer_state
 from mopd.train.distributed import RankGroup
 from mopd.train.student import LossFn, check_tokenizer, load_student_tokenizer, save_tokenizer
-
-
-def shard_name(tp_rank: int, pp_rank: int) -> str:
-    """The checkpoint files of one tensor-parallel slice of one stage: `model/<shard>.safetensors`."""
-    return f"tp{tp_rank:02d}-pp{pp_rank:02d}"
 
 
 class MegatronStudent:
@@ -66,14 +61,15 @@ class MegatronStudent:
         self.replicas = _data_parallel(self.model, group.device)
         self.holds_loss = group.is_last_stage
         self.reports = group.is_last_stage and group.tp_rank == 0
-        self.shard = shard_name(group.tp_rank, group.pp_rank)
-        self.writes_checkpoint_shard = group.dp_rank == 0  # the replicas are identical: one writes
+        self.writes_checkpoint_shard = True  # every rank takes part in the sharded save
+        self.sharded_checkpoint = True
         self.tokenizer = load_student_tokenizer(self.checkpoint)
 
     @property
     def layout(self) -> dict[str, Any]:
-        """What a checkpoint of this student must match to be resumed by it."""
-        return {"backend": "megatron", "tp": self.group.tp, "pp": self.group.pp}
+        """What a checkpoint of this student must match to be resumed by it: not tp × pp (megatron-core's
+        distributed checkpoint re-cuts the tensors for the layout that loads it)."""
+        return {"backend": "megatron", "format": DIST_CHECKPOINT}
 
     @property
     def tp_group(self) -> Any:
@@ -136,25 +132,70 @@ class MegatronStudent:
         check_tokenizer(self.checkpoint, manifest)
 
     def save(self, folder: Path) -> None:
-        """This rank's weights as `folder/<shard>.safetensors`; the first shard also copies the
-        student's config and tokenizer files (`mopd export-hf` turns the folder into an HF checkpoint)."""
-        folder.mkdir(parents=True, exist_ok=True)
-        state = {
-            name: value.detach().contiguous().cpu().clone()
-            for name, value in self.model.state_dict().items()
-            if isinstance(value, torch.Tensor) and not name.endswith("._extra_state")
-        }
-        save_file(state, str(folder / f"{self.shard}.safetensors"))
-        if self.group.tp_rank == 0 and self.group.pp_rank == 0:
+        """The student's config and tokenizer files (the run's first rank): what `mopd export-hf` builds
+        the model from; the weights are in the checkpoint's sharded state (`save_sharded`)."""
+        if dist.get_rank() == 0:
+            folder.mkdir(parents=True, exist_ok=True)
             (folder / "config.json").write_bytes((self.checkpoint / "config.json").read_bytes())
             save_tokenizer(self.tokenizer, folder)
 
-    def load_weights(self, folder: Path) -> None:
-        """Loads the weights `save` wrote for this rank's shard (bit-exact)."""
-        file = folder / f"{self.shard}.safetensors"
-        if not file.exists():
-            raise ConfigError(f"{folder} holds no weights for shard {self.shard} of this layout")
-        load_state(self.model, load_file(str(file)))
+    def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
+        """The weights and AdamW state through megatron-core's `dist_checkpointing`: each tensor saved
+        by the first data-parallel replica of the ranks holding it, as a slice of the whole tensor (its
+        global shape and offset recorded), so that any tp × pp layout can load it. Every rank calls it."""
+        from megatron.core import dist_checkpointing
+
+        state = self._sharded_state(optimizer, whole_optimizer_state(optimizer))
+        folder.mkdir(parents=True, exist_ok=True)
+        with megatron_device(self.group.device):
+            dist_checkpointing.save(state, str(folder))
+
+    def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer | None) -> None:
+        """Loads `save_sharded`'s state into this rank's stage and slice (bit-exact, whatever layout saved
+        it), and given an optimizer, its AdamW moments and step count (hyper-parameters: the caller's)."""
+        from megatron.core import dist_checkpointing
+
+        with megatron_device(self.group.device):
+            loaded = dist_checkpointing.load(self._sharded_state(optimizer, None), str(folder))
+        load_state(self.model, loaded["model"])
+        if optimizer is None:
+            return
+        moments = loaded["optimizer"]
+        state = {
+            i: {"step": moments["step"].clone(), **{k: moments[k][i] for k in MOMENTS}}
+            for i in range(len(self.parameters()))
+        }
+        optimizer.load_state_dict({"state": state, "param_groups": parameter_groups(optimizer)})
+
+    def _sharded_state(self, optimizer: torch.optim.Optimizer | None, whole: dict[str, Any] | None) -> dict:
+        """megatron-core's sharded state dict of the model and, given an optimizer, of its AdamW moments
+        (sharded as the parameters they belong to) and step count. `whole`: the optimizer's whole state
+        on the rank that saves it; elsewhere (replicas that save nothing, or a load) placeholders of the
+        parameters' shapes."""
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            make_sharded_optimizer_tensor,
+        )
+
+        model = self.model.sharded_state_dict()
+        if optimizer is None:
+            return {"model": model}
+        params = self.parameters()
+        sharded = get_param_id_to_sharded_param_map(model, params)
+        slots = whole["state"] if whole is not None else {}
+        moments: dict[str, Any] = {
+            key: {
+                i: make_sharded_optimizer_tensor(
+                    sharded[i],
+                    slots[i][key] if i in slots else torch.empty_like(p),
+                    prefix=f"optimizer.{key}",
+                )
+                for i, p in enumerate(params)
+            }
+            for key in MOMENTS
+        }
+        step = slots[0]["step"] if 0 in slots else torch.zeros((), dtype=torch.float32)
+        return {"model": model, "optimizer": {**moments, "step": step}}
 
     def close(self) -> None:
         """Nothing to release: the model-parallel group belongs to whoever started it (the session)."""
@@ -260,6 +301,10 @@ class MegatronStudent:
                 forward_only=forward_only,
             )
         return returned
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state besides its step count
+DIST_CHECKPOINT = "megatron-core dist_checkpointing"
 
 
 def _data_parallel(model: torch.nn.Module, device: torch.device) -> Any:

@@ -134,8 +134,10 @@ def check_files(folder: Path, world: RankGroup) -> None:
 
 
 def describe_layout(layout: dict[str, Any]) -> str:
+    if layout.get("backend") == "megatron" and "tp" in layout:  # per-slice files of an earlier mopd
+        return f"megatron tp={layout['tp']} × pp={layout['pp']} (per-slice files of an earlier mopd)"
     if layout.get("backend") == "megatron":
-        return f"megatron tp={layout['tp']} × pp={layout['pp']}"
+        return "megatron (any tp × pp)"
     return str(layout.get("backend", "hf"))
 
 

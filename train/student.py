@@ -39,8 +39,8 @@ class TrainStudent(Protocol):
     checkpoint: Path
     holds_loss: bool  # this rank computes the loss, so holds the teacher heads
     reports: bool  # this rank's per-token statistics count toward the step's metrics
-    shard: str  # names this rank's checkpoint files ("" for a whole model)
     writes_checkpoint_shard: bool  # of identical replicas, the one that writes
+    sharded_checkpoint: bool  # every rank writes its shards (`save_sharded`), else one writes the whole
 
     @property
     def output_rows(self) -> int: ...
@@ -60,7 +60,9 @@ class TrainStudent(Protocol):
     def finish_gradients(self) -> None: ...
     def clip_gradients(self, max_norm: float) -> float: ...
     def save(self, folder: Path) -> None: ...
-    def load_weights(self, folder: Path) -> None: ...
+    def load_weights(self, folder: Path) -> None: ...  # a whole student's (not sharded)
+    def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None: ...
+    def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer | None) -> None: ...
     def close(self) -> None: ...
 
 
@@ -120,7 +122,7 @@ class HFStudent:
 
     holds_loss = True  # this rank runs the loss (and so needs the teacher heads)
     reports = True  # this rank's per-token statistics count toward the step's metrics
-    shard = ""  # the whole model: one weights file, one optimizer file
+    sharded_checkpoint = False  # the whole model: one weights file, one optimizer file
     tp_group = None
 
     def __init__(

@@ -55,8 +55,10 @@ def run_distributed(
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as folder:
         init_file = str(Path(folder) / "rendezvous")
+        # Not daemonic: what a rank runs may start processes of its own (megatron-core's checkpoint
+        # writer forks one per file); the `finally` below ends every rank however the run ends.
         procs = [
-            ctx.Process(target=_entry, args=(worker, r, world_size, init_file, args, results), daemon=True)
+            ctx.Process(target=_entry, args=(worker, r, world_size, init_file, args, results))
             for r in range(world_size)
         ]
         for p in procs:

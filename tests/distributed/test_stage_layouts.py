@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import yaml
-from safetensors import safe_open
 
+from mopd.train.megatron_student import DIST_CHECKPOINT
 from tests.distributed.harness import run_distributed
 from tests.precompute.teachers import agent_records, make_tokenizer, save_teacher, write_jsonl
 from tests.train.world import write_train_config
@@ -75,12 +76,12 @@ def test_precompute_at_tp2_then_training_at_tp1_in_one_process(config: Path) -> 
     assert [r["world_kept"] for r in results] == [True, True]
     checkpoint = Path(results[0]["checkpoint"])
     state = json.loads((checkpoint / "state.json").read_text())
-    assert state["layout"] == {"backend": "megatron", "tp": 1, "pp": 1}
-    shards = sorted(p.name for p in (checkpoint / "model").glob("*.safetensors"))
-    assert shards == ["tp00-pp00.safetensors"]
-    with safe_open(checkpoint / "model" / shards[0], "pt") as f:
-        rows = f.get_slice("embedding.word_embeddings.weight").get_shape()[0]
-    assert rows >= len(make_tokenizer())  # the whole vocabulary, not one of two tensor-parallel halves
+    assert state["layout"] == {"backend": "megatron", "format": DIST_CHECKPOINT}
+    # The embedding was saved as one slice holding the whole vocabulary, not as two tensor-parallel
+    # halves: the training ran at tp=1.
+    entries = dcp.FileSystemReader(str(checkpoint / "state")).read_metadata().state_dict_metadata
+    slices = entries["embedding.word_embeddings.weight"].chunks
+    assert len(slices) == 1 and slices[0].sizes[0] >= len(make_tokenizer())
 
 
 PROBE = """

@@ -11,6 +11,7 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
+from mopd.base.completion import write_complete
 from mopd.base.errors import ConfigError
 from mopd.cli.main import cli
 from mopd.store.teachers import TEACHER_LIST_FILE
@@ -115,14 +116,24 @@ def test_export_hf_writes_the_trained_student(world: World, tmp_path: Path) -> N
 
 def test_a_checkpoint_of_another_backend_is_refused(world: World, tmp_path: Path) -> None:
     """An hf checkpoint is not resumed by a megatron student (one process, tp = pp = 1): the layout in
-    state.json is checked, and the message names both layouts."""
+    state.json is checked, and the message names both layouts. Nor is an earlier mopd's megatron
+    checkpoint (one weights file per slice and stage, its layout recorded as tp × pp)."""
     run_training(world_config(world, tmp_path, steps=2), max_steps=1, log=lambda _line: None)
-    state = json.loads((tmp_path / "run" / "checkpoints" / "step_00000001" / "state.json").read_text())
+    folder = tmp_path / "run" / "checkpoints" / "step_00000001"
+    state = json.loads((folder / "state.json").read_text())
     assert state["layout"] == {"backend": "hf"}
     megatron = world_config(world, tmp_path, steps=2, backend="megatron", device="cpu")
-    with pytest.raises(ConfigError, match=r"written by a hf student, this run is megatron tp=1 × pp=1"):
+    with pytest.raises(ConfigError, match=r"written by a hf student, this run is megatron \(any tp × pp\)"):
         run_training(megatron, log=lambda _line: None)
     assert not torch.distributed.is_initialized()  # the one-rank group it made is gone
+
+    (folder / "state.json").write_text(
+        json.dumps({**state, "layout": {"backend": "megatron", "tp": 2, "pp": 2}})
+    )
+    write_complete(folder, {"step": 1})
+    earlier = r"written by a megatron tp=2 × pp=2 \(per-slice files of an earlier mopd\) student"
+    with pytest.raises(ConfigError, match=earlier):
+        run_training(megatron, log=lambda _line: None)
 
 
 def test_a_student_without_safetensors_weights_is_refused(world: World, tmp_path: Path) -> None:
