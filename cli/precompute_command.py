@@ -7,13 +7,14 @@ from pathlib import Path
 import click
 from rich.table import Table
 
+from mopd.cli.arguments import config_argument
 from mopd.cli.console import plain_log, stderr_console
 from mopd.cli.store_commands import format_size
 from mopd.config.mopd_config import load_config
 
 
 @click.command("precompute")
-@click.argument("config_path", metavar="CONFIG", type=click.Path(path_type=Path))
+@config_argument
 @click.option(
     "--store", "store_path", type=click.Path(path_type=Path), help="Store path (default: store.path)."
 )
@@ -22,6 +23,7 @@ from mopd.config.mopd_config import load_config
 @click.option("--task-index", type=int, default=None, help="This job's index in [0, --num-tasks).")
 def precompute_command(
     config_path: Path,
+    overrides: tuple[str, ...],
     store_path: Path | None,
     backend: str | None,
     num_tasks: int | None,
@@ -40,7 +42,7 @@ def precompute_command(
     split = split or slurm_task_split() or (1, 0)
     if not (split[0] >= 1 and 0 <= split[1] < split[0]):
         raise click.UsageError(f"--task-index must be in [0, {split[0]}) and --num-tasks at least 1")
-    config = load_config(config_path)
+    config = load_config(config_path, overrides)
     console = stderr_console()
     result = run_precompute(
         config,

@@ -6,12 +6,13 @@ from pathlib import Path
 
 import click
 
+from mopd.cli.arguments import config_argument
 from mopd.cli.console import plain_log, stderr_console
 from mopd.config.mopd_config import load_config
 
 
 @click.command("rollout")
-@click.argument("config_path", metavar="CONFIG", type=click.Path(path_type=Path))
+@config_argument
 @click.option(
     "--student",
     type=click.Path(path_type=Path),
@@ -26,7 +27,13 @@ from mopd.config.mopd_config import load_config
 @click.option(
     "--round", "round_index", type=click.IntRange(min=0), default=0, help="The round recorded in the rows."
 )
-def rollout_command(config_path: Path, student: Path | None, output: Path | None, round_index: int) -> None:
+def rollout_command(
+    config_path: Path,
+    overrides: tuple[str, ...],
+    student: Path | None,
+    output: Path | None,
+    round_index: int,
+) -> None:
     """Sample the student's own completions of every prompt of rollout.prompts.
 
     Writes rows that `mopd precompute` reads: the exact sampled ids (`input_ids`, `loss_mask`), their text
@@ -35,7 +42,7 @@ def rollout_command(config_path: Path, student: Path | None, output: Path | None
     """
     from mopd.rollout.runner import run_rollout  # torch and transformers: not for `mopd --help`
 
-    config = load_config(config_path)
+    config = load_config(config_path, overrides)
     console = stderr_console()
     result = run_rollout(
         config,
@@ -51,8 +58,8 @@ def rollout_command(config_path: Path, student: Path | None, output: Path | None
 
 
 @click.command("rounds")
-@click.argument("config_path", metavar="CONFIG", type=click.Path(path_type=Path))
-def rounds_command(config_path: Path) -> None:
+@config_argument
+def rounds_command(config_path: Path, overrides: tuple[str, ...]) -> None:
     """On-policy distillation in rounds: the student samples, the teachers score, the student trains.
 
     Round r samples rollout.prompts with the student of round r − 1, precomputes and verifies a store of
@@ -63,7 +70,7 @@ def rounds_command(config_path: Path) -> None:
     """
     from mopd.rollout.rounds import run_rounds
 
-    config = load_config(config_path)
+    config = load_config(config_path, overrides)
     console = stderr_console()
     run = run_rounds(config, log=plain_log(console))
     console.print(f"rounds done; last run {run}")

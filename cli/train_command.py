@@ -6,12 +6,13 @@ from pathlib import Path
 
 import click
 
+from mopd.cli.arguments import config_argument
 from mopd.cli.console import plain_log, stderr_console
 from mopd.config.mopd_config import load_config
 
 
 @click.command("train")
-@click.argument("config_path", metavar="CONFIG", type=click.Path(path_type=Path))
+@config_argument
 @click.option(
     "--store", "store_path", type=click.Path(path_type=Path), help="Store path (default: store.path)."
 )
@@ -31,6 +32,7 @@ from mopd.config.mopd_config import load_config
 )
 def train_command(
     config_path: Path,
+    overrides: tuple[str, ...],
     store_path: Path | None,
     output: Path | None,
     resume: bool | None,
@@ -48,7 +50,7 @@ def train_command(
     from mopd.train.export import export_hf  # torch and transformers: imported for this command only
     from mopd.train.trainer import run_training
 
-    config = load_config(config_path)
+    config = load_config(config_path, overrides)
     console = stderr_console()
     log = plain_log(console)
     result = run_training(

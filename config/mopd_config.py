@@ -8,6 +8,7 @@ working directory.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from pydantic import Field, ValidationError, model_validator
 from mopd.base.errors import ConfigError
 from mopd.base.jsonio import check_unicode, decode_text, describe_location
 from mopd.base.section import NonEmpty, Section
+from mopd.config.overrides import apply_overrides
 from mopd.config.precompute import DataConfig, PrecomputeConfig, RoutingConfig
 from mopd.config.rollout import RolloutConfig, RoundsConfig
 from mopd.config.store import StoreConfig
@@ -224,11 +226,25 @@ def parse_config(raw: Any, *, base_dir: str | Path, source: str = "config") -> M
         raise ConfigError(f"{source}: {_format_validation_error(err)}") from err
 
 
-def load_config(path: str | Path) -> MopdConfig:
-    """Loads and validates a config file.
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> MopdConfig:
+    """Loads and validates a config file, with command-line `overrides` (`key.path=value`, see
+    `config/overrides.py`) set before validation.
 
     Raises:
-        ConfigError: the file is unreadable, not YAML, has duplicate keys, or fails validation.
+        ConfigError: the file is unreadable, not YAML, has duplicate keys, an override is malformed, or
+            the result fails validation.
     """
     path = Path(path)
-    return parse_config(load_yaml(path), base_dir=path.resolve().parent, source=str(path))
+    raw = apply_overrides(load_yaml(path), overrides)
+    return parse_config(raw, base_dir=path.resolve().parent, source=str(path))
+
+
+EFFECTIVE_CONFIG_FILE = "config.yaml"  # in a run folder: the config the run last started with
+
+
+def dump_config(config: MopdConfig) -> str:
+    """`config` as YAML that `load_config` reads back to an equal config: every setting that differs from
+    its default (the file's and the command line's), paths absolute. (Defaults are left out: some
+    settings are refused where they do not apply even at their default value.)"""
+    settings = config.model_dump(mode="json", exclude_defaults=True)
+    return yaml.safe_dump(settings, sort_keys=False, allow_unicode=True)

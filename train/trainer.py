@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from mopd.base.errors import ConfigError, MopdError
-from mopd.config.mopd_config import MopdConfig
+from mopd.base.fsio import write_replace
+from mopd.config.mopd_config import EFFECTIVE_CONFIG_FILE, MopdConfig, dump_config
 from mopd.config.train import BatchConfig
 from mopd.train.checkpoint import (
     ResumePoint,
@@ -328,6 +329,8 @@ class Trainer:
             if self.world.rank == 0
             else None
         )
+        if self.world.rank == 0:  # what this run trains with, command-line overrides included
+            write_replace(self.output / EFFECTIVE_CONFIG_FILE, dump_config(self.config).encode())
 
         def emit(record: Record, line: str) -> None:
             result.records.append(record)

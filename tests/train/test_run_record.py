@@ -12,8 +12,10 @@ from click.testing import CliRunner
 
 from mopd.base.errors import CheckpointError
 from mopd.cli.main import cli
+from mopd.config.mopd_config import EFFECTIVE_CONFIG_FILE, load_config
 from mopd.store import open_store
 from mopd.train.checkpoint import complete_checkpoints
+from mopd.train.metrics import METRICS_FILE, read_metrics
 from mopd.train.run_record import RESUMABLE, diff_run_records, run_record
 from mopd.train.trainer import Trainer, lr_factor, run_training
 from tests.train.world import World, world_config
@@ -150,3 +152,17 @@ def test_a_damaged_checkpoint_file_is_named(world: World, tmp_path: Path, two_st
         cli, ["verify-manifest", str(world.store), "--checkpoint", str(latest.parent)]
     )
     assert verify.exit_code == 1 and f"{latest}: content changed" in verify.stdout
+
+
+def test_overrides_are_what_the_run_records(world: World, tmp_path: Path, two_steps: Path) -> None:
+    """`mopd train CONFIG key=value`: the run folder's config.yaml holds the effective config (it loads
+    back equal to what ran), and the resume guard sees an overridden setting as the change it is."""
+    config = tmp_path / "base" / "config.yaml"
+    steps = CliRunner().invoke(cli, ["train", str(config), "train.steps=5", "--output", str(two_steps)])
+    assert steps.exit_code == 0, steps.output  # train.steps may change on resume: steps 3 to 5 train
+    effective = load_config(two_steps / EFFECTIVE_CONFIG_FILE)
+    assert effective == load_config(config, ["train.steps=5"])
+    assert effective.train is not None and effective.train.steps == 5
+    assert [r["step"] for r in read_metrics(two_steps / METRICS_FILE) if "split" not in r][-1] == 5
+    seed = CliRunner().invoke(cli, ["train", str(config), "train.seed=3", "--output", str(two_steps)])
+    assert seed.exit_code == 1 and "train.seed: 0 in the checkpoint, 3 now" in seed.stderr
