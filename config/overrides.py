@@ -10,6 +10,7 @@ config's folder).
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,7 +64,7 @@ def apply_overrides(raw: Any, overrides: Sequence[str], *, cwd: Path | None = No
         return raw
     if not isinstance(raw, dict):
         return raw  # refused by the validation, which names the document's type
-    out = _copy(raw)
+    out = copy.deepcopy(raw)
     for text in overrides:
         parts, value = parse_override(text)
         key = ".".join(parts)
@@ -89,12 +90,4 @@ def _from_working_directory(key: str, value: str, cwd: Path) -> str:
     checkpoint = key in CHECKPOINT_KEYS or (key.startswith("teachers.") and key.count(".") == 1)
     if key in PATH_KEYS or (checkpoint and (value.startswith((".", "/", "~")) or (cwd / value).exists())):
         return str(cwd / Path(value).expanduser())
-    return value
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
     return value
