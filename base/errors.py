@@ -27,3 +27,7 @@ class FilesystemError(MopdError):
 
 class CheckpointError(MopdError):
     """A training checkpoint is incomplete, damaged, or was trained on something else."""
+
+
+class OutOfMemoryError(MopdError):
+    """An allocation failed; the message names the settings that bound memory and their values."""

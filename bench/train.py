@@ -33,14 +33,15 @@ from smol_store import build_store
 
 def _eager_objective(trainer: Any) -> Any:
     """The loss of a loop without the fused kernel: both sides' logits materialised, autograd."""
+    from mopd.train.objective import Terms
 
-    def objective(hidden: Any, head: Any, mb: Any, norm: Any) -> tuple[Any, Any]:
+    def objective(hidden: Any, head: Any, mb: Any, norm: Any) -> Terms:
         teacher = next(iter(mb.teacher_hidden))
         logp_s = (hidden @ head.T).float().log_softmax(-1)
         logits_t = mb.teacher_hidden[teacher].float() @ trainer.heads.resident()[teacher].float().T
         logp_t = logits_t.log_softmax(-1)
         per_token = (logp_s.exp() * (logp_s - logp_t)).sum(-1)
-        return (norm * per_token).sum(), per_token.detach()
+        return Terms((norm * per_token).sum(), per_token.detach(), None)
 
     return objective
 

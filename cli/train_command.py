@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -47,15 +48,28 @@ def train_command(
     OUTPUT/checkpoints/step_NNNNNNNN/ (the student under model/: a transformers checkpoint; on the fsdp
     and megatron backends its config, and every rank's shards under state/ — see `mopd export-hf`).
     """
+    from mopd.train.checkpoint import complete_checkpoints
     from mopd.train.export import export_hf  # torch and transformers: imported for this command only
     from mopd.train.trainer import run_training
 
     config = load_config(config_path, overrides)
     console = stderr_console()
     log = plain_log(console)
-    result = run_training(
-        config, store_path=store_path, output=output, resume=resume, max_steps=max_steps, log=log
-    )
+    try:
+        result = run_training(
+            config, store_path=store_path, output=output, resume=resume, max_steps=max_steps, log=log
+        )
+    except KeyboardInterrupt:
+        assert config.train is not None  # run_training refuses a config without it
+        folder = Path(output or config.train.output_dir)
+        latest = complete_checkpoints(folder / "checkpoints")
+        kept = f"its last complete checkpoint is {latest[-1]}" if latest else "no checkpoint was written yet"
+        console.print(
+            f"\ninterrupted: {kept}; the same command resumes from it (--no-resume refuses to)"
+            if latest
+            else f"\ninterrupted: {kept}; the same command starts the run again"
+        )
+        sys.exit(130)
     if result.checkpoint is not None:
         console.print(
             f"trained steps {result.first_step}..{result.last_step}; checkpoint {result.checkpoint}"

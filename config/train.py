@@ -103,6 +103,9 @@ class TrainConfig(Section):
     prefetch: int = Field(2, ge=1)
     output_dir: NonEmpty = "out/run"
     checkpoint: CheckpointConfig = CheckpointConfig()
+    # Experiment trackers fed the records of metrics.jsonl, rank 0 only (train/tracking.py); the
+    # packages come with `pip install 'mopd[tracking]'`.
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
 
     @field_validator("parallel")
     @classmethod

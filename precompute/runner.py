@@ -129,6 +129,7 @@ def build_plan(
                 "trust_remote_code": config.precompute.trust_remote_code,
             },
         },
+        created_with=config.model_dump(mode="json", exclude_defaults=True),
     )
 
 
@@ -286,7 +287,7 @@ def run_tasks(
         for slot in teachers.slots:
             mine = [t for t in todo if isinstance(t, HeadTask | ShardTask) and t.teacher == slot.index]
             if mine:
-                progress.describe(f"teacher {slot.index} ({', '.join(slot.aliases)})")
+                progress.describe(f"teacher {'+'.join(slot.aliases)}")
                 length = int(rows.lengths.max())
                 teacher = load_teacher(settings, backend, slot.checkpoint, max_model_len=length, group=group)
                 run_teacher_tasks(output, teacher, mine, rows, settings.batch_tokens, progress)

@@ -16,6 +16,7 @@ killed `mopd rounds` reruns from the first unfinished stage, and the stages that
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ from mopd.store.verify import verify_store
 from mopd.train.checkpoint import complete_checkpoints, read_state
 from mopd.train.evaluation import evaluate_student
 from mopd.train.export import export_hf
+from mopd.train.metrics import Eta, by_name, format_duration, teacher_names
+from mopd.train.tracking import Trackers
 from mopd.train.trainer import run_training
 
 Log = Callable[[str], None]
@@ -47,6 +50,7 @@ SETTINGS_FILE = "rounds.json"
 LOG_FILE = "rounds.jsonl"
 PLOT_FILE = "heldout.png"
 VERIFIED_FILE = "verified.json"
+TRACKING_FILE = "tracking.json"  # the tracker runs the rounds report to, kept for a rerun
 
 
 class Rounds:
@@ -60,6 +64,8 @@ class Rounds:
         self.train: TrainConfig = config.train
         self.workdir = Path(self.rounds.workdir)
         self.log = log
+        self.names = teacher_names(assign_teacher_indices(config.teachers))
+        self.trackers: Trackers | None = None  # opened by `track`
 
     def folder(self, r: int) -> Path:
         return self.workdir / f"round-{r:03d}"
@@ -205,12 +211,13 @@ class Rounds:
         )
         self.score(config)
         evaluated = evaluate_student(config, store_path=folder / "store.zarr", log=self.log)
-        aliases = {str(t.index): "+".join(t.aliases) for t in read_manifest(folder / "store.zarr").teachers}
+        if self.trackers is not None:
+            self.trackers.log({**evaluated, "split": "rounds", "step": r})
         record = {
             "round": r,
             "student": self.student(r),
             "heldout_divergence": evaluated["divergence"],
-            "heldout_by_teacher": {aliases[t]: v for t, v in evaluated["divergence_by_teacher"].items()},
+            "heldout_by_teacher": by_name(evaluated["divergence_by_teacher"], self.names),
             "heldout_tokens": evaluated["trained_tokens"],
             "steps": r * self.rounds.steps_per_round,
             "sampling_temperature": self.config.rollout.temperature if self.config.rollout else None,
@@ -218,11 +225,27 @@ class Rounds:
         }
         write_replace(record_path, json.dumps(record, sort_keys=True).encode())
         self.log(
-            f"round {r}: held-out divergence {record['heldout_divergence']:.4f} on its own samples ("
-            + ", ".join(f"{a} {v:.4f}" for a, v in record["heldout_by_teacher"].items())
+            f"round {r}: held-out divergence {record['heldout_divergence']:.4g} on its own samples ("
+            + ", ".join(f"{a} {v:.4g}" for a, v in record["heldout_by_teacher"].items())
             + ")"
         )
         return record
+
+    def track(self) -> Trackers:
+        """The trackers of `train.report_to` over the workdir (each round's training run has its own),
+        appending to the runs of an earlier `mopd rounds` of this workdir."""
+        path = self.workdir / TRACKING_FILE
+        resumed = json.loads(path.read_text()) if path.exists() else None
+        self.trackers = Trackers(
+            self.train.report_to,
+            self.workdir,
+            name=self.workdir.resolve().name,
+            config=self.config.model_dump(mode="json"),
+            names=self.names,
+            resumed=resumed,
+        )
+        write_replace(path, json.dumps(self.trackers.identities(), sort_keys=True).encode())
+        return self.trackers
 
     def report(self, records: list[dict[str, Any]]) -> None:
         lines = "".join(json.dumps(record, sort_keys=True) + "\n" for record in records)
@@ -282,16 +305,26 @@ def run_rounds(config: MopdConfig, *, log: Log = print) -> Path:
     """Runs (or continues) every round of `rounds`; returns the last round's run folder."""
     rounds = Rounds(config, log)
     rounds.check_settings()
-    records = [record for record in [rounds.evaluate(0, run=None)] if record is not None]
-    if records:
-        rounds.report(records)
-    run = Path()
-    for r in range(1, rounds.rounds.count + 1):
-        log(f"round {r} of {rounds.rounds.count}")
-        run = rounds.run_round(r)
-        record = rounds.evaluate(r, run=run)
-        if record is not None:
-            records.append(record)
+    count = rounds.rounds.count
+    with rounds.track():
+        records = [record for record in [rounds.evaluate(0, run=None)] if record is not None]
+        if records:
             rounds.report(records)
-    log(f"rounds done: the student of round {rounds.rounds.count} is {rounds.student(rounds.rounds.count)}")
+        run = Path()
+        eta = Eta()
+        for r in range(1, count + 1):
+            log(f"round {r} of {count}")
+            trained = not Path(rounds.student(r)).exists()  # else an earlier mopd rounds finished it
+            start = time.perf_counter()
+            run = rounds.run_round(r)
+            record = rounds.evaluate(r, run=run)
+            if record is not None:
+                records.append(record)
+                rounds.report(records)
+            if trained:
+                took = time.perf_counter() - start
+                eta.add(took)
+                left = eta.remaining(count - r)
+                log(f"round {r} took {format_duration(took)}; eta {format_duration(left or 0)}")
+    log(f"rounds done: the student of round {count} is {rounds.student(count)}")
     return run

@@ -1,4 +1,4 @@
-"""Schemas of the store's JSON records: the plan, task part records and the manifest (format version 3).
+"""Schemas of the store's JSON records: the plan, task part records and the manifest (format version 4).
 
 - `_plan.json`: written once when a store is created; every later job must plan the same store.
 - `_parts/<task_id>.json`: created no-clobber by a task after its output folder is durable.
@@ -139,10 +139,13 @@ class Plan(_Record):
     tasks: list[TaskSpec]
     storage: StorageInfo
     config: dict[str, Any]
+    # The whole config of the job that created the store, command-line overrides included (its settings
+    # that differ from their defaults): what it ran with. Not part of the identity: jobs may differ here.
+    created_with: dict[str, Any] = {}
 
     def identity(self) -> str:
         """Hash of everything that decides the store's bytes."""
-        return sha256_json(self.model_dump(mode="json"))
+        return sha256_json(self.model_dump(mode="json", exclude={"created_with"}))
 
 
 class PartRecord(_Record):

@@ -168,3 +168,15 @@ def test_architecture_names_every_module_and_only_modules_that_exist() -> None:
     assert sorted(tree - named) == [], "modules docs/architecture.md does not name"
     assert sorted(named - tree) == [], "modules docs/architecture.md names that do not exist"
     assert len(text.splitlines()) <= 100
+
+
+def test_the_docs_name_the_store_format_version_mopd_writes() -> None:
+    """Every "format version N" in the docs (and the records' module) is the one the writer stamps."""
+    from mopd.store.manifest import FORMAT_VERSION
+
+    found = {
+        (path.name, int(n))
+        for path in [*DOCS, ROOT / "store" / "manifest.py"]
+        for n in re.findall(r"format version (\d+)", path.read_text())
+    }
+    assert found and {version for _name, version in found} == {FORMAT_VERSION}, sorted(found)

@@ -5,7 +5,8 @@
         optimizer.safetensors   AdamW moments and step counts, keyed "<param position>.<name>"
         rng.safetensors         torch RNG states
         state.json              step, loader state, optimizer hyper-parameters, scheduler state, layout,
-                                and the run record: the store and every setting the run was trained with
+                                the run record (the store and every setting the run was trained with)
+                                and the tracker runs it reported to
         teachers.json           the store's teacher list: index, checkpoint, fingerprint
         COMPLETE                written last: lists every other file with its size and sha256; a folder
                                 without it is not a checkpoint, a file that differs from it is named
@@ -58,6 +59,7 @@ SHARDED_STATE = "state"  # a sharded student's weights and AdamW state (torch.di
 class ResumePoint:
     step: int
     loader: LoaderState
+    tracking: dict[str, str]  # the tracker runs the run appended to (`tracking.Trackers.identities`)
 
 
 def checkpoint_name(step: int) -> str:
@@ -118,12 +120,14 @@ def save_checkpoint(
     run: dict[str, Any],
     keep: int,
     world: RankGroup | None = None,
+    tracking: dict[str, str] | None = None,
 ) -> Path:
     """Writes and publishes the checkpoint of `step`, then drops complete ones older than the last `keep`.
 
     Every rank of `world` calls it: the ranks that write a shard (`student.writes_checkpoint_shard`)
     write it into the temporary folder rank 0 made, and rank 0 publishes once they all have. `run` is
-    the run record (`run_record.run_record`) a resume must match.
+    the run record (`run_record.run_record`) a resume must match; `tracking` the tracker runs a resume
+    appends to.
     """
     world = world or RankGroup()
     final = root / checkpoint_name(step)
@@ -151,7 +155,9 @@ def save_checkpoint(
                     save_file(_optimizer_tensors(whole), str(optimizer_path))
         world.barrier()
         if world.rank == 0:
-            _write_run_state(temp, step, student.layout, optimizer, scheduler, loader, teachers, run)
+            _write_run_state(
+                temp, step, student.layout, optimizer, scheduler, loader, teachers, run, tracking or {}
+            )
             faults.point("checkpoint-written")
             if final.exists() and not (final / COMPLETE).exists():
                 # A folder without its marker is not a checkpoint; move it aside (a temporary: garbage).
@@ -180,6 +186,7 @@ def _write_run_state(
     loader: LoaderState,
     teachers: Sequence[TeacherIdentity],
     run: dict[str, Any],
+    tracking: dict[str, str],
 ) -> None:
     """The files every rank shares: RNG, state.json, the teacher list, then the COMPLETE marker."""
     rng = {"cpu": torch.get_rng_state()}
@@ -194,6 +201,7 @@ def _write_run_state(
         "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
         "layout": layout,
         "run": run,
+        "tracking": tracking,
     }
     write_replace(folder / "state.json", json.dumps(state, indent=2, sort_keys=True).encode())
     write_teacher_list(folder, teachers)
@@ -245,6 +253,7 @@ class CheckpointState(BaseModel):
     scheduler: dict[str, Any]
     layout: dict[str, Any] = {"backend": "hf"}  # the student's: backend, and tp and pp for megatron
     run: dict[str, Any] = {}  # the run record (`run_record.run_record`)
+    tracking: dict[str, str] = {}  # tracker → the identity of its run (`tracking.Trackers`)
 
     @property
     def loader_state(self) -> LoaderState:
@@ -291,7 +300,7 @@ def load_checkpoint(
         cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda"))]
         if cuda:
             torch.cuda.set_rng_state_all(cuda)
-    return ResumePoint(step=state.step, loader=state.loader_state)
+    return ResumePoint(step=state.step, loader=state.loader_state, tracking=dict(state.tracking))
 
 
 def follow_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:

@@ -105,6 +105,11 @@ class MegatronStudent:
             return self.model.shared_embedding_or_output_weight()
         return self.model.output_layer.weight
 
+    @property
+    def decoder_shape(self) -> tuple[int, int]:
+        """(hidden size, decoder layers of this rank's pipeline stage)."""
+        return self.shape.hidden_size, self.layers_per_stage
+
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 

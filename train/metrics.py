@@ -1,17 +1,40 @@
-"""`OUTPUT/metrics.jsonl` (one JSON object per optimiser step, DESIGN §7), the step line and the plot."""
+"""`OUTPUT/metrics.jsonl` (one JSON object per optimiser step, DESIGN §7), the step line and the plot.
+
+Records key teachers by index, as the store numbers them; what a person reads (the console, the plot)
+names them by their aliases, `chat+math` for a teacher under two. metrics.jsonl keeps full precision and
+opens with the index → name map (a line without a step, which `read_metrics` leaves out).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
+
+from mopd.store.manifest import TeacherInfo
+from mopd.store.teachers import TeacherSlot
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
+
+TeacherNames = dict[str, str]  # teacher index, as records key it → the name a person reads
+
+
+def teacher_names(teachers: Iterable[TeacherInfo | TeacherSlot]) -> TeacherNames:
+    """Each teacher's aliases joined by `+` (sorted, as the store and the config number them), by
+    teacher index."""
+    return {str(t.index): "+".join(t.aliases) for t in teachers}
+
+
+def by_name(values: dict[str, float], names: TeacherNames) -> dict[str, float]:
+    """`values` keyed by teacher name instead of index (an index without a name keeps its number)."""
+    return {names.get(t, t): v for t, v in sorted(values.items(), key=lambda item: int(item[0]))}
 
 
 class DivergenceStats(TypedDict):
@@ -40,6 +63,8 @@ class StepOutcome(DivergenceStats):
     lr: float
     tokens: int  # all tokens of the step, over the replicas
     memory_gib: float
+    # The cross-entropy term (per trained token, before train.divergence.ce_weight), when it is on.
+    ce: NotRequired[float]
 
 
 class Lap(TypedDict):
@@ -60,17 +85,18 @@ Record = TrainRecord | EvalRecord
 class MetricsLog:
     """Appends one JSON line per record, flushed at once (a crash loses at most the line being written).
 
-    On resume, lines of steps after the resumed checkpoint (trained, then lost with the crash) are
-    dropped, so every step appears once.
+    The file opens with the teacher names. On resume, lines of steps after the resumed checkpoint
+    (trained, then lost with the crash) are dropped, so every step appears once.
     """
 
-    def __init__(self, output: Path, *, resume_step: int | None) -> None:
+    def __init__(self, output: Path, *, resume_step: int | None, names: TeacherNames) -> None:
         self.path = output / METRICS_FILE
         output.mkdir(parents=True, exist_ok=True)
         kept = read_metrics(self.path) if resume_step is not None and self.path.exists() else []
         kept = [r for r in kept if r["step"] <= (resume_step or 0)]
+        lines = [{"teachers": names}, *kept]
         temp = self.path.with_name(self.path.name + ".rewrite")
-        temp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+        temp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in lines))
         os.replace(temp, self.path)
         self._file = self.path.open("a")
 
@@ -82,15 +108,22 @@ class MetricsLog:
         self._file.close()
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics file; a torn last line (a crash mid-write) is ignored."""
-    records = []
+def _lines(path: Path) -> Iterator[dict[str, Any]]:
     for line in path.read_text().splitlines():
         try:
-            records.append(json.loads(line))
-        except ValueError:
+            yield json.loads(line)
+        except ValueError:  # a torn last line (a crash mid-write)
             continue
-    return records
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The step and evaluation records of a metrics file; a torn last line is ignored."""
+    return [record for record in _lines(path) if "step" in record]
+
+
+def read_teacher_names(path: Path) -> TeacherNames:
+    """The teacher names a metrics file opens with (none in a file of an earlier mopd)."""
+    return next((record["teachers"] for record in _lines(path) if "teachers" in record), {})
 
 
 class StepClock:
@@ -122,40 +155,92 @@ class StepClock:
         return lap
 
 
-def step_line(record: TrainRecord, total_steps: int) -> str:
-    """The one-line summary printed per step."""
-    by_teacher = " ".join(f"t{t}={v:.4g}" for t, v in sorted(record["divergence_by_teacher"].items()))
+class Eta:
+    """The time a run has left: the median of its recent step times (robust to the slow first step
+    and to steps that also save a checkpoint or evaluate), times the steps left."""
+
+    def __init__(self, window: int = 20) -> None:
+        self._recent: deque[float] = deque(maxlen=window)
+
+    def add(self, seconds: float) -> None:
+        self._recent.append(seconds)
+
+    def remaining(self, steps_left: int) -> float | None:
+        """Seconds left for `steps_left` more steps; None before the first step."""
+        return statistics.median(self._recent) * steps_left if self._recent else None
+
+
+def format_duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `2h07m`, `3d04h`: two units at most, the larger first."""
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    minutes, secs = divmod(whole, 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def _by_teacher(values: dict[str, float], names: TeacherNames) -> str:
+    return " ".join(f"{name}={v:.4g}" for name, v in by_name(values, names).items())
+
+
+def step_line(record: TrainRecord, total_steps: int, names: TeacherNames, eta: float | None = None) -> str:
+    """The one-line summary printed per step: 4 significant digits, teachers by name."""
+    ce = f" ce {record['ce']:.4g}" if "ce" in record else ""
+    left = f" eta {format_duration(eta)}" if eta is not None else ""
     return (
-        f"step {record['step']}/{total_steps} loss {record['loss']:.5g} div {record['divergence']:.5g} "
-        f"[{by_teacher}] min {record['divergence_min']:.3g} max {record['divergence_max']:.3g} "
-        f"gnorm {record['grad_norm']:.3g} lr {record['lr']:.3g} {record['tokens_per_s']:,.0f} tok/s "
-        f"(data wait {record['data_wait']:.0%}) mem {record['memory_gib']:.2f} GiB"
+        f"step {record['step']}/{total_steps} loss {record['loss']:.4g}{ce} div {record['divergence']:.4g} "
+        f"[{_by_teacher(record['divergence_by_teacher'], names)}] min {record['divergence_min']:.3g} "
+        f"max {record['divergence_max']:.3g} gnorm {record['grad_norm']:.3g} lr {record['lr']:.3g} "
+        f"{record['tokens_per_s']:,.0f} tok/s (data wait {record['data_wait']:.0%}) "
+        f"mem {record['memory_gib']:.2f} GiB{left}"
     )
 
 
-def eval_line(record: EvalRecord) -> str:
-    """The line printed per evaluation."""
+def eval_line(record: EvalRecord, names: TeacherNames) -> str:
+    """The line printed per evaluation: 4 significant digits, teachers by name."""
     return (
-        f"eval step {record['step']}: divergence {record['divergence']:.5g} {record['divergence_by_teacher']}"
+        f"eval step {record['step']}: divergence {record['divergence']:.4g} "
+        f"[{_by_teacher(record['divergence_by_teacher'], names)}]"
     )
 
 
 def plot_metrics(metrics: Path, out: Path) -> Path:
     """Draws loss and per-teacher divergence (train, and eval where present) against step into a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = metrics_figure(metrics)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def metrics_figure(metrics: Path) -> Any:
+    """The plot of `plot_metrics`, as a matplotlib figure: teachers by name in the legend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = read_metrics(metrics)
+    names = read_teacher_names(metrics)
     train = [r for r in records if r.get("split", "train") == "train"]
     evals = [r for r in records if r.get("split") == "eval"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.plot([r["step"] for r in train], [r["loss"] for r in train], label="loss")
+    with_ce = [r for r in train if "ce" in r]
+    if with_ce:
+        left.plot([r["step"] for r in with_ce], [r["ce"] for r in with_ce], label="CE term")
     left.set(xlabel="step", ylabel="loss", title="training loss")
     teachers = sorted({t for r in records for t in r["divergence_by_teacher"]}, key=int)
     for t in teachers:
-        for rows, style, label in ((train, "-", f"teacher {t}"), (evals, "o--", f"teacher {t} (eval)")):
+        name = names.get(t, f"teacher {t}")
+        for rows, style, label in ((train, "-", name), (evals, "o--", f"{name} (eval)")):
             points = [(r["step"], r["divergence_by_teacher"].get(t)) for r in rows]
             points = [(step, value) for step, value in points if value is not None]
             if points:
@@ -172,6 +257,4 @@ def plot_metrics(metrics: Path, out: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return fig

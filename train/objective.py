@@ -8,6 +8,7 @@ the ranks that report.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,14 @@ from mopd.train.heads import TeacherHeads
 from mopd.train.loader import MicroBatch
 from mopd.train.metrics import DivergenceStats
 from mopd.train.student import TrainStudent
+
+
+class Terms(NamedTuple):
+    """What the objective made of one microbatch."""
+
+    loss: torch.Tensor  # with gradients: the weighted divergences, plus ce_weight × the CE term
+    per_token: torch.Tensor  # [N] each trained token's divergence, before any weighting
+    ce: torch.Tensor | None  # the hard-label CE term before ce_weight (None when ce_weight is 0)
 
 
 def teacher_weights(manifest: Manifest, by_alias: dict[str, float]) -> dict[int, float]:
@@ -76,8 +85,7 @@ class Objective:
 
     def __call__(
         self, hidden_NH: torch.Tensor, head: torch.Tensor, mb: MicroBatch, norm_N: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss with gradients, per-token divergence [N] before any weighting)."""
+    ) -> Terms:
         cfg = self.cfg
         head = head[: self.local_rows]
         weights_N = norm_N * self.weight_of[mb.teacher_index].to(norm_N.device)
@@ -129,7 +137,8 @@ class Objective:
                 **self.shard,
             )
             loss = loss + cfg.ce_weight * ce.loss
-        return loss, per_token
+            return Terms(loss, per_token, ce.loss.detach())
+        return Terms(loss, per_token, None)
 
 
 class StepStats:
@@ -142,8 +151,11 @@ class StepStats:
         self.extremes = torch.tensor([math.inf, math.inf], dtype=torch.float64)  # min, −max: both minimised
         self.nonfinite = torch.zeros(num_teachers, dtype=torch.float64)
         self.loss = torch.zeros((), dtype=torch.float64)
+        self.ce: torch.Tensor | None = None  # the CE term's sum over the microbatches, when it is on
 
-    def add(self, per_token: torch.Tensor, teacher: torch.Tensor, loss: torch.Tensor) -> None:
+    def add(
+        self, per_token: torch.Tensor, teacher: torch.Tensor, loss: torch.Tensor, ce: torch.Tensor | None
+    ) -> None:
         values = per_token.detach().double().cpu()
         finite = torch.isfinite(values)
         self.nonfinite.index_add_(0, teacher[~finite], torch.ones(int((~finite).sum()), dtype=torch.float64))
@@ -152,18 +164,23 @@ class StepStats:
         if values.numel():
             self.extremes = torch.minimum(self.extremes, torch.stack([values.min(), -values.max()]))
         self.loss += loss.detach().double().cpu()
+        if ce is not None:
+            self.ce = (0 if self.ce is None else self.ce) + ce.double().cpu()
 
     def reduce(self, dp: RankGroup) -> None:
         """Sums over the ranks of `dp` (ranks that report nothing add zeros)."""
         self.local_nonfinite = float(self.nonfinite.sum())
-        packed = dp.all_reduce(torch.cat([self.sums, self.counts, self.nonfinite, self.loss[None]]))
+        ce = torch.zeros(()) if self.ce is None else self.ce
+        packed = dp.all_reduce(torch.cat([self.sums, self.counts, self.nonfinite, self.loss[None], ce[None]]))
         k = self.sums.shape[0]
         self.sums, self.counts, self.nonfinite, self.loss = (
             packed[:k],
             packed[k : 2 * k],
             packed[2 * k : 3 * k],
-            packed[-1],
+            packed[-2],
         )
+        if self.ce is not None:
+            self.ce = packed[-1]
         self.extremes = dp.all_reduce(self.extremes, dist.ReduceOp.MIN)
 
     def divergences(self) -> DivergenceStats:

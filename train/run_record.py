@@ -12,6 +12,7 @@ Settings that may change on resume (they touch neither the data order nor the ob
   `train.activation_checkpointing` (memory and speed: they change only the order in which the same sums
   are taken, or recompute the same values),
 - `train.student` and `train.init_from` (a resumed run's weights come from its checkpoint),
+- `train.prefetch` and `train.report_to` (how the data is read, where the records also go),
 - the number of ranks (the data order and the loss do not depend on it; an fsdp or hf checkpoint loads
   on any rank count, a megatron one at any tp × pp and data-parallel size).
 
@@ -48,6 +49,7 @@ RESUMABLE = frozenset(
         "train.student",
         "train.init_from",
         "train.prefetch",
+        "train.report_to",
     }
 )
 

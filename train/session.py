@@ -85,10 +85,11 @@ class Session:
 
         def loss_fn(hidden: torch.Tensor, head: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, None]:
             mb = mb.to(self.device)
-            loss, per_token = self.objective(hidden, head if train else head.detach(), mb, norm_of(mb))
+            terms = self.objective(hidden, head if train else head.detach(), mb, norm_of(mb))
             if self.student.reports:
-                stats.add(per_token, mb.teacher_index, loss if train else torch.zeros(()))
-            return loss, None
+                loss = terms.loss if train else torch.zeros(())
+                stats.add(terms.per_token, mb.teacher_index, loss, terms.ce if train else None)
+            return terms.loss, None
 
         return loss_fn
 

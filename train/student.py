@@ -49,6 +49,8 @@ class TrainStudent(Protocol):
     def tp_group(self) -> Any: ...
     @property
     def layout(self) -> dict[str, Any]: ...
+    @property
+    def decoder_shape(self) -> tuple[int, int]: ...  # (hidden size, decoder layers on this rank)
     def parameters(self) -> list[torch.nn.Parameter]: ...
     def optimizer(self, *, lr: float, weight_decay: float) -> torch.optim.Optimizer: ...
     def data_parallel(self) -> RankGroup: ...
@@ -193,6 +195,12 @@ class HFStudent:
     def head(self) -> torch.nn.Parameter:
         """[V, H] the output layer's weight (the embedding matrix when tied)."""
         return self.model.get_output_embeddings().weight
+
+    @property
+    def decoder_shape(self) -> tuple[int, int]:
+        """(hidden size, decoder layers): every layer is on every rank."""
+        config = self.model.config
+        return int(config.hidden_size), int(config.num_hidden_layers)
 
     @property
     def output_rows(self) -> int:

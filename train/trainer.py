@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import math
 import resource
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from mopd.base.errors import ConfigError, MopdError
+from mopd.base.errors import ConfigError, MopdError, OutOfMemoryError
 from mopd.base.fsio import write_replace
 from mopd.config.mopd_config import EFFECTIVE_CONFIG_FILE, MopdConfig, dump_config
 from mopd.config.train import BatchConfig
@@ -35,19 +37,23 @@ from mopd.train.checkpoint import (
     load_weights,
     save_checkpoint,
 )
-from mopd.train.data_order import LoaderState
+from mopd.train.data_order import LoaderState, epoch_steps
 from mopd.train.loader import MicroBatch, Step, StoreLoader
+from mopd.train.memory import allocation_failure, estimate_peak, memory_settings
 from mopd.train.metrics import (
     PLOT_FILE,
+    Eta,
     EvalRecord,
     MetricsLog,
     Record,
     StepClock,
     StepOutcome,
+    TeacherNames,
     TrainRecord,
     eval_line,
     plot_metrics,
     step_line,
+    teacher_names,
 )
 from mopd.train.objective import StepStats
 from mopd.train.precision import pure_bf16_warning, unchanged_share
@@ -55,6 +61,7 @@ from mopd.train.resume import RunIdentity, init_checkpoint, resume_checkpoint
 from mopd.train.run_record import run_record
 from mopd.train.session import Log, open_session
 from mopd.train.store_check import check_store
+from mopd.train.tracking import Trackers, check_trackers
 
 
 class NonFiniteError(MopdError):
@@ -99,6 +106,20 @@ def over_budget(batch: BatchConfig, longest: int) -> str | None:
     )
 
 
+def plan_line(loader: StoreLoader, seed: int, first: int, last: int) -> str:
+    """What the run will train: its steps, and about how many tokens and epochs they are (from the
+    first epoch's cut into steps; later epochs cut a little differently)."""
+    per_epoch = len(
+        epoch_steps(loader.lengths, seed=seed, epoch=0, global_batch_tokens=loader.global_batch_tokens)
+    )
+    count = last - first + 1
+    tokens = count * int(loader.lengths.sum()) / per_epoch
+    return (
+        f"training steps {first}..{last}: {count:,} steps ≈ {tokens:,.0f} tokens ≈ {count / per_epoch:.3g} "
+        f"epochs of {loader.rows.shape[0]:,} rows ({per_epoch:,} step{'s' if per_epoch > 1 else ''} an epoch)"
+    )
+
+
 def lr_factor(step: int, *, warmup: int, total: int) -> float:
     """Linear warmup over `warmup` steps, then cosine decay to 0 at `total` (`step` counts from 0)."""
     if step < warmup:
@@ -125,6 +146,8 @@ class Trainer:
         output: str | Path | None = None,
         log: Log = print,
     ) -> None:
+        if config.train is not None:
+            check_trackers(config.train.report_to)  # before the student loads
         self.session = open_session(config, store_path=store_path, log=log)
         try:
             self._prepare(config, output)
@@ -160,6 +183,7 @@ class Trainer:
         self.optimizer = self.student.optimizer(lr=tc.optim.lr, weight_decay=tc.optim.weight_decay)
         if tc.dtype == "bfloat16":
             self.log(pure_bf16_warning(unchanged_share(self.student.parameters(), tc.optim.lr), tc.optim.lr))
+        self.log(self._memory_estimate())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, warmup=tc.optim.warmup_steps, total=tc.steps)
         )
@@ -169,6 +193,36 @@ class Trainer:
             run=run_record(tc, self.store.manifest),
             layout=self.student.layout,
         )
+
+    def _memory_estimate(self) -> str:
+        hidden, layers = self.student.decoder_shape
+        estimate = estimate_peak(
+            self.student.parameters(),
+            tc=self.tc,
+            hidden_size=hidden,
+            layers=layers,
+            vocab_rows=self.objective.local_rows if self.student.holds_loss else 0,
+            chunk_size=self.objective.chunk_size,
+            heads=self.heads,
+            optimizer_shards=getattr(self.optimizer, "world_size", 1),  # ZeRO shards the moments
+        )
+        return estimate.line(self.session.device)
+
+    @contextmanager
+    def _bounded_memory(self, what: str) -> Iterator[None]:
+        """An allocation failure in the block becomes one line naming the settings that bound memory."""
+        try:
+            yield
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
+            failure = allocation_failure(err)
+            if failure is None:
+                raise
+            raise OutOfMemoryError(
+                f"{what}: out of memory on rank {self.world.rank} ({self.session.device}): {failure}. "
+                f"What bounds memory: {memory_settings(self.tc, self.objective.chunk_size)}; lower "
+                "micro_batch_tokens or chunk_size, or turn on activation_checkpointing (the estimate "
+                "before step 1 shows each part)"
+            ) from err
 
     def __enter__(self) -> Trainer:
         return self
@@ -249,7 +303,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
-        return StepOutcome(
+        outcome = StepOutcome(
             step=step,
             loss=float(stats.loss),
             **stats.divergences(),
@@ -258,6 +312,9 @@ class Trainer:
             tokens=int(tokens),
             memory_gib=_memory_gib(self.session.device),
         )
+        if stats.ce is not None:
+            outcome["ce"] = float(stats.ce)
+        return outcome
 
     def _refuse_nonfinite(self, step: int, stats: StepStats, grad_norm: float) -> None:
         flags = torch.zeros(self.world.size, dtype=torch.float64)
@@ -296,7 +353,7 @@ class Trainer:
         finally:
             self.session.close()
 
-    def _save(self, step: int, loader: LoaderState) -> Path:
+    def _save(self, step: int, loader: LoaderState, tracking: dict[str, str]) -> Path:
         """A checkpoint after `step`, whose data order resumes at `loader`."""
         return save_checkpoint(
             self.checkpoint_root,
@@ -309,6 +366,7 @@ class Trainer:
             run=self.identity.run,
             keep=self.tc.checkpoint.keep,
             world=self.world,
+            tracking=tracking,
         )
 
     def _run(self, resume: bool | None, max_steps: int | None) -> TrainResult:
@@ -324,46 +382,90 @@ class Trainer:
         if first > last:
             self.log(f"nothing to train: the run in {self.output} is at step {first - 1} of {last}")
             return result
-        metrics = (
-            MetricsLog(self.output, resume_step=point.step if point else None)
-            if self.world.rank == 0
-            else None
-        )
-        if self.world.rank == 0:  # what this run trains with, command-line overrides included
-            write_replace(self.output / EFFECTIVE_CONFIG_FILE, dump_config(self.config).encode())
+        names = teacher_names(self.store.manifest.teachers)
+        report = Report(result, self.log, names)
+        try:
+            if self.world.rank == 0:
+                report.open(self.output, self.config, point)
+            if first == 1 and self.eval_rows.shape[0]:
+                with self._bounded_memory("the evaluation before step 1"):
+                    evaluated = self.evaluate(0)
+                report.emit(evaluated, eval_line(evaluated, names))
+            self.log(plan_line(self.loader, self.tc.seed, first, last) + f"; reading step {first}'s rows")
+            self._train_steps(first, last, point, report)
+        finally:
+            report.close()
+        result.heads_peak_resident = self.heads.peak_resident
+        if report.metrics is not None and report.metrics.path.stat().st_size:
+            plot = plot_metrics(report.metrics.path, self.output / PLOT_FILE)
+            self.log(f"metrics: {report.metrics.path}; plot: {plot}")
+        return result
 
-        def emit(record: Record, line: str) -> None:
-            result.records.append(record)
-            if metrics is not None:
-                metrics.write(record)
-            self.log(line)
-
-        if first == 1 and self.eval_rows.shape[0]:
-            evaluated = self.evaluate(0)
-            emit(evaluated, eval_line(evaluated))
-        self.log(f"training steps {first}..{last}; reading step {first}'s rows")
+    def _train_steps(self, first: int, last: int, point: ResumePoint | None, report: Report) -> None:
         steps = self.loader.steps(point.loader if point else LoaderState(self.tc.seed))
-        clock = StepClock()
+        clock, eta = StepClock(), Eta()
         try:
             for step in range(first, last + 1):
                 with clock.waiting():
                     batch = next(steps)
-                outcome = self.train_step(step, batch)
+                with self._bounded_memory(f"step {step}"):
+                    outcome = self.train_step(step, batch)
                 record = TrainRecord(**outcome, **clock.lap(outcome["tokens"]))
-                emit(record, step_line(record, self.tc.steps))
+                eta.add(record["step_seconds"])
+                report.emit(
+                    record, step_line(record, self.tc.steps, report.names, eta.remaining(last - step))
+                )
                 if step % self.tc.checkpoint.every == 0 or step == last:
-                    result.checkpoint = self._save(step, batch.state_after)
+                    report.result.checkpoint = self._save(step, batch.state_after, report.tracking())
                 if self._should_eval(step, last):
-                    evaluated = self.evaluate(step)
-                    emit(evaluated, eval_line(evaluated))
+                    with self._bounded_memory(f"the evaluation after step {step}"):
+                        evaluated = self.evaluate(step)
+                    report.emit(evaluated, eval_line(evaluated, report.names))
         finally:
             steps.close()
-            if metrics is not None:
-                metrics.close()
-        result.heads_peak_resident = self.heads.peak_resident
-        if metrics is not None and metrics.path.stat().st_size:
-            self.log(f"metrics: {metrics.path}; plot: {plot_metrics(metrics.path, self.output / PLOT_FILE)}")
-        return result
+
+
+class Report:
+    """Where a run's records go: the result and the console on every rank; on rank 0 (once `open`)
+    also metrics.jsonl and the trackers of `train.report_to`."""
+
+    def __init__(self, result: TrainResult, log: Log, names: TeacherNames) -> None:
+        self.result, self.log, self.names = result, log, names
+        self.metrics: MetricsLog | None = None
+        self.trackers: Trackers | None = None
+
+    def open(self, output: Path, config: MopdConfig, point: ResumePoint | None) -> None:
+        assert config.train is not None
+        self.metrics = MetricsLog(output, resume_step=point.step if point else None, names=self.names)
+        # what this run trains with, command-line overrides included
+        write_replace(output / EFFECTIVE_CONFIG_FILE, dump_config(config).encode())
+        self.trackers = Trackers(
+            config.train.report_to,
+            output,
+            name=output.resolve().name,
+            config=config.model_dump(mode="json"),
+            names=self.names,
+            resumed=point.tracking if point else None,
+            resume_step=point.step if point else None,
+        )
+
+    def emit(self, record: Record, line: str) -> None:
+        self.result.records.append(record)
+        if self.metrics is not None:
+            self.metrics.write(record)
+        if self.trackers is not None:
+            self.trackers.log(record)
+        self.log(line)
+
+    def tracking(self) -> dict[str, str]:
+        """The tracker runs a checkpoint keeps, for a resume to append to."""
+        return self.trackers.identities() if self.trackers is not None else {}
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 def run_training(

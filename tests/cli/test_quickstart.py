@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mopd.cli.main import cli
 from mopd.cli.quickstart_assets import STUDENT, write_dataset
 from mopd.store.reader import open_store
 from mopd.train.metrics import read_metrics
+from mopd.train.tracking import TENSORBOARD_FOLDER
 from tests.precompute.teachers import assert_same_chat_tokens
 from tests.tolerance import assert_same_training
 
 
 @pytest.mark.slow
 def test_small_quickstart_runs_every_stage(tmp_path: Path) -> None:
-    out = CliRunner().invoke(cli, ["quickstart", "--small", "--workdir", str(tmp_path)])
+    out = CliRunner().invoke(
+        cli, ["quickstart", "--small", "--workdir", str(tmp_path), "--report-to", "tensorboard"]
+    )
     assert out.exit_code == 0, out.output
     for stage in ("1/4 prepare", "2/4 precompute", "3/4 verify-manifest", "4/4 train"):
         assert stage in out.output
@@ -29,6 +34,14 @@ def test_small_quickstart_runs_every_stage(tmp_path: Path) -> None:
     assert store.num_rows == 18
     records = read_metrics(tmp_path / "quickstart-small-run" / "metrics.jsonl")
     assert [r["step"] for r in records if r.get("split") == "eval"] == [0, 2, 4]
+    # Teachers by name wherever a person reads: no `t0=`, `'0':` or `teacher 0` on the console.
+    assert not re.findall(r".*(?:\bt\d=|'\d':|teacher \d).*", out.output)
+    assert re.search(r"^eval step 4: divergence \S+ \[chat\+math=\S+ code=\S+\]$", out.output, re.M)
+    board = tmp_path / "quickstart-small-run" / TENSORBOARD_FOLDER
+    assert f"tensorboard --logdir {board}" in out.output
+    events = EventAccumulator(str(board))
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/divergence/code")] == [0, 2, 4]
     assert (tmp_path / "quickstart-small-run" / "metrics.png").stat().st_size > 10_000
     exported = CliRunner().invoke(
         cli, ["export-hf", str(tmp_path / "quickstart-small-run"), str(tmp_path / "exported")]

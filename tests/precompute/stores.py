@@ -36,6 +36,7 @@ def without_backend(store: TeacherStore) -> tuple[dict[str, Any], dict[str, Any]
         for teacher in record["teachers"]:
             teacher.pop("backend")
     manifest.pop("volatile")
+    plan.pop("created_with")  # the creating job's own config: its backend, its store path
     manifest.pop("identity")  # the plan's hash; the plans are compared instead
     for artifact in [manifest["rows"], *manifest["lm_heads"], *manifest["shards"]]:
         artifact.pop("part_sha256")  # part records carry the plan's hash

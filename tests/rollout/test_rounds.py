@@ -5,22 +5,27 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import pyarrow.parquet as pq
 import pytest
 import yaml
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mopd.base.errors import ConfigError
 from mopd.config.mopd_config import load_config
 from mopd.rollout.rounds import Rounds, run_rounds
 from mopd.train.checkpoint import complete_checkpoints
+from mopd.train.tracking import TENSORBOARD_FOLDER
 from tests.precompute.teachers import agent_records, write_jsonl
 from tests.rollout.conftest import Models, chat_prompts, rollout_config
+from tests.tolerance import U, assert_close
 from tests.train.world import World, write_train_config
 
 
@@ -72,12 +77,26 @@ def mopd_rounds(config: Path, fault: str | None = None) -> subprocess.CompletedP
 @pytest.mark.slow
 def test_two_rounds_and_a_killed_run_that_resumes_bit_identically(world: World, tmp_path: Path) -> None:
     whole = tmp_path / "whole"
-    run_rounds(load_config(rounds_config(world, whole, count=2)), log=lambda _line: None)
+    lines: list[str] = []
+    tracked = load_config(rounds_config(world, whole, count=2), ["train.report_to=[tensorboard]"])
+    run_rounds(tracked, log=lines.append)
     records = [json.loads(line) for line in (whole / "rounds" / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == [0, 1, 2]
     for record in records:
         assert set(record["heldout_by_teacher"]) == {"math", "code"} and record["heldout_tokens"] > 0
         assert (record["sampling_temperature"], record["loss_temperature"]) == (0.9, 1.5)
+    # The ETA: after round 1, its own time for the one round left; after round 2, nothing left.
+    took = [re.fullmatch(r"round (\d) took (\S+); eta (\S+)", line) for line in lines]
+    assert [m.groups() for m in took if m] == [("1", ANY, ANY), ("2", ANY, "0s")]
+    first = next(m for m in took if m)
+    assert first.group(2) == first.group(3)
+    board = EventAccumulator(str(whole / "rounds" / TENSORBOARD_FOLDER))
+    board.Reload()
+    shown = board.Scalars("rounds/divergence/math")
+    assert [e.step for e in shown] == [0, 1, 2]
+    want = [r["heldout_by_teacher"]["math"] for r in records]  # stored as float32: one rounding
+    assert_close([e.value for e in shown], want, rtol=U, what="held-out divergence")
+    assert (whole / "rounds" / "round-001" / "run" / TENSORBOARD_FOLDER).is_dir()  # each round's run too
     assert (whole / "rounds" / "heldout.png").stat().st_size > 0
     for r in (1, 2):  # round r samples with round r − 1's student and trains from its checkpoint
         rows = whole / "rounds" / f"round-{r:03d}" / "samples.parquet"

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from mopd.base.errors import ConfigError
 from mopd.cli.main import cli
 from mopd.store.teachers import TEACHER_LIST_FILE
 from mopd.train.checkpoint import COMPLETE, complete_checkpoints
-from mopd.train.trainer import run_training
+from mopd.train.trainer import Trainer, run_training
 from tests.precompute.teachers import assert_same_chat_tokens
 from tests.train.world import World, world_config
 
@@ -77,12 +79,36 @@ def test_train_command(world: World, tmp_path: Path) -> None:
     )
     assert out.exit_code == 0, out.output
     assert "step 2/3" in out.output and "step 3/3" not in out.output
-    assert "[t0=" in out.output  # the per-teacher part of the step line is text, not rich markup
+    assert re.search(r"\[(code|math)=\S+ (code|math)=", out.output)  # text, not rich markup
     again = CliRunner().invoke(
         cli, ["train", str(config), "--no-resume", "--output", str(tmp_path / "cli-run")]
     )
     assert again.exit_code == 1 and "already holds checkpoints" in again.output
     assert "Traceback" not in again.output
+
+
+def test_an_interrupted_train_command_says_how_to_resume(
+    world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C during step 3 (checkpoints every 2): exit 130 and a line naming the step-2 checkpoint the
+    same command resumes from."""
+    world_config(world, tmp_path, steps=4, checkpoint={"every": 2, "keep": 1})
+    original = Trainer.train_step
+
+    def interrupted(self: Trainer, step: int, batch: Any) -> Any:
+        if step == 3:
+            raise KeyboardInterrupt
+        return original(self, step, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    command = ["train", str(tmp_path / "config.yaml")]
+    out = CliRunner().invoke(cli, command)
+    assert out.exit_code == 130, out.output
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"interrupted: its last complete checkpoint is {tmp_path / 'run' / 'checkpoints' / 'step_00000002'}; "
+        "the same command resumes from it (--no-resume refuses to)"
+    )
 
 
 def test_export_hf_writes_the_trained_student(world: World, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from mopd.base.errors import CheckpointError
 from mopd.cli.main import cli
 from mopd.config.mopd_config import EFFECTIVE_CONFIG_FILE, load_config
 from mopd.store import open_store
+from mopd.store.manifest import PLAN_FILE, load_plan
 from mopd.train.checkpoint import complete_checkpoints
 from mopd.train.metrics import METRICS_FILE, read_metrics
 from mopd.train.run_record import RESUMABLE, diff_run_records, run_record
@@ -166,3 +167,31 @@ def test_overrides_are_what_the_run_records(world: World, tmp_path: Path, two_st
     assert [r["step"] for r in read_metrics(two_steps / METRICS_FILE) if "split" not in r][-1] == 5
     seed = CliRunner().invoke(cli, ["train", str(config), "train.seed=3", "--output", str(two_steps)])
     assert seed.exit_code == 1 and "train.seed: 0 in the checkpoint, 3 now" in seed.stderr
+
+
+def test_precompute_records_its_overrides_in_the_plan(world: World, tmp_path: Path) -> None:
+    """`mopd precompute CONFIG key=value`: the plan holds the creating job's effective config, outside
+    the identity, so a job with other run-time settings joins the same store."""
+    world_config(world, tmp_path)  # writes tmp_path / config.yaml
+    store = tmp_path / "overridden.zarr"
+    first = [
+        "precompute",
+        str(tmp_path / "config.yaml"),
+        f"store.path={store}",
+        "precompute.batch_tokens=512",
+    ]
+    assert (
+        ran := CliRunner().invoke(cli, [*first, "--num-tasks", "2", "--task-index", "0"])
+    ).exit_code == 0, ran.output
+    plan = load_plan(store / PLAN_FILE)
+    assert plan.created_with["precompute"]["batch_tokens"] == 512
+    assert plan.created_with["store"]["path"] == str(store)
+    assert (
+        load_config(
+            tmp_path / "config.yaml", [f"store.path={store}", "precompute.batch_tokens=512"]
+        ).model_dump(mode="json", exclude_defaults=True)
+        == plan.created_with
+    )
+    second = [*first[:-1], "precompute.batch_tokens=256", "--num-tasks", "2", "--task-index", "1"]
+    assert (joined := CliRunner().invoke(cli, second)).exit_code == 0, joined.output
+    assert open_store(store).num_rows == 64 and load_plan(store / PLAN_FILE) == plan  # written once
