@@ -72,8 +72,10 @@ def make_config(work: Path, args: argparse.Namespace) -> Path:
 
 
 def trained_tokens(run: Path) -> int:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return sum(r["trained_tokens"] for r in map(json.loads, lines) if r.get("split", "train") == "train")
+    from mopd.train.metrics import METRICS_FILE, read_metrics
+
+    records = read_metrics(run / METRICS_FILE)
+    return sum(r["trained_tokens"] for r in records if r.get("split", "train") == "train")
 
 
 def off_policy(config: Any, on_tokens: int, log: Any) -> dict[str, Any]:
