@@ -1,22 +1,15 @@
 #!/usr/bin/env bash
 # One command for a GPU machine (issue 19): the gpu-marked tests, then bench/gpu.py. ≤ 10 minutes on
-# one H200. mopd need not be installed: its folders are put on the path as the `mopd` namespace, the
-# way setup.py maps them. Extra wheels (the store's dependencies, liger-kernel) may be given as
-# MOPD_WHEELS=DIR; they go to a private folder, never into the system's packages.
+# one H200. mopd is installed from its wheel, with --no-deps, into a private folder (bench/gpu-install.sh:
+# the package users install, served by the machine's own torch and the rest); wheels the machine lacks
+# (the store's dependencies, liger-kernel) may be given as MOPD_WHEELS=DIR and go to the same folder,
+# never into the system's packages.
 # Results: bench/results/gpu.json and, when OUT is set, copies of the logs and the JSON under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 site=$(mktemp -d)
-mkdir -p "$site/mopd"
-for init in "$root"/*/__init__.py; do  # every top-level package folder, as setup.py maps them
-    layer=$(basename "$(dirname "$init")")
-    [[ $layer == tests || $layer == bench ]] || ln -s "$root/$layer" "$site/mopd/$layer"
-done
-if [[ -n "${MOPD_WHEELS:-}" ]]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
-        "$MOPD_WHEELS"/*.whl || echo "gpu.sh: the wheels in $MOPD_WHEELS did not install; going on without them"
-fi
+bench/gpu-install.sh "$site" || exit 1
 export PYTHONPATH="$site:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out=${OUT:-$root/bench/results}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null

