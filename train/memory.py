@@ -45,10 +45,10 @@ def in_units(size: float) -> str:
     return f"{size / 2**30:.3g} GiB" if size >= 2**30 else f"{size / 2**20:.3g} MiB"
 
 
-def _local_bytes(parameter: torch.Tensor) -> tuple[int, int]:
-    """(elements, bytes) of this rank's part of a parameter (its shard, for a DTensor)."""
+def _local_bytes(parameter: torch.Tensor) -> int:
+    """Bytes of this rank's part of a parameter (its shard, for a DTensor)."""
     local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
-    return local.numel(), local.numel() * local.element_size()
+    return local.numel() * local.element_size()
 
 
 def estimate_peak(
@@ -65,7 +65,7 @@ def estimate_peak(
     """The estimate of the module docstring for a rank holding `parameters` (its shards) and `layers`
     decoder layers of width `hidden_size`, whose loss spans `vocab_rows` of the vocabulary (0 on a
     pipeline stage without the loss); `optimizer_shards` ranks share its AdamW state (ZeRO)."""
-    weights = sum(_local_bytes(p)[1] for p in parameters)
+    weights = sum(_local_bytes(p) for p in parameters)
     compute_bytes = 2 if tc.mixed_precision == "bf16" or tc.dtype == "bfloat16" else 4
     tokens = tc.batch.micro_batch_tokens
     if tc.activation_checkpointing:
