@@ -35,6 +35,7 @@ class TokenProgress:
             console=Console(stderr=True),
             disable=not enabled,
         )
+        self._enabled = enabled
         self._lines = enabled and not self._progress.console.is_terminal
         self._total_tokens = total_tokens
         self._logged = self._start
@@ -64,10 +65,12 @@ class TokenProgress:
         sys.stderr.flush()
 
     def __enter__(self) -> TokenProgress:
-        self._progress.start()
+        if self._enabled:  # a disabled rich Progress still ends the line it never drew (rich 13.8)
+            self._progress.start()
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._progress.stop()
+        if self._enabled:
+            self._progress.stop()
