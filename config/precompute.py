@@ -40,7 +40,8 @@ class PrecomputeConfig(Section):
     # Rows of one teacher per task (the unit of resumption and of splitting across jobs).
     rows_per_task: int = Field(1024, gt=0)
     trust_remote_code: bool = False
-    # Teacher tensor/pipeline parallelism (megatron backend, under torchrun).
+    # Teacher tensor/pipeline parallelism: the vllm backend runs one engine over tp × pp devices per job;
+    # the megatron backend runs under torchrun, each tp × pp group of ranks one job.
     parallel: ParallelConfig = ParallelConfig()
 
     def with_backend(self, backend: str | None) -> PrecomputeConfig:
@@ -49,14 +50,19 @@ class PrecomputeConfig(Section):
         config loads: `--backend megatron` may be what makes a config's `parallel` valid.
 
         Raises:
-            ConfigError: tensor or pipeline parallelism for a backend other than megatron.
+            ConfigError: tensor or pipeline parallelism for the hf backend, or sequence parallelism for
+                a backend other than megatron.
         """
         settings = self if backend is None else self.model_copy(update={"backend": backend})
         tp, pp = settings.parallel.tp, settings.parallel.pp
-        if settings.backend != "megatron" and tp * pp > 1:
+        if settings.backend == "hf" and tp * pp > 1:
             raise ConfigError(
-                f"precompute.parallel tp={tp} × pp={pp} needs the megatron backend (under torchrun); the "
-                f"{settings.backend} backend runs each teacher whole in one process: set tp = pp = 1 or use "
-                "--backend megatron"
+                f"precompute.parallel tp={tp} × pp={pp} needs the vllm or megatron backend; the hf backend "
+                "runs each teacher whole on one device: set tp = pp = 1, or use --backend vllm"
+            )
+        if settings.backend == "vllm" and settings.parallel.sequence_parallel:
+            raise ConfigError(
+                "precompute.parallel.sequence_parallel is the megatron backend's; vLLM splits the sequence "
+                "its own way: leave it false with --backend vllm"
             )
         return settings

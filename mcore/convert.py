@@ -1,4 +1,4 @@
-"""HF ↔ Megatron-core weight conversion for Llama/Qwen2-family causal LMs.
+"""HF ↔ Megatron-core weight conversion for Llama-, Qwen2- and Qwen3-family causal LMs.
 
 A Megatron GPTModel splits each tensor-parallel layer as its column- or row-parallel linear needs
 (Megatron name on the left, this TP rank's part; `L.` = `decoder.layers.i.`, HF `l.` = `model.layers.i.`):
@@ -7,6 +7,8 @@ A Megatron GPTModel splits each tensor-parallel layer as its column- or row-para
     L.input_layernorm.weight           l.input_layernorm.weight
     L.self_attention.linear_qkv.*      l.self_attn.{q,k,v}_proj.*: per query group [its q heads; k; v],
                                        the groups split over ranks (weights and Qwen2's biases)
+    L.self_attention.q_layernorm       l.self_attn.q_norm.weight (Qwen3: RMSNorm over each head, before
+    L.self_attention.k_layernorm       l.self_attn.k_norm.weight  RoPE; whole on every TP rank)
     L.self_attention.linear_proj       l.self_attn.o_proj.weight, input columns split
     L.pre_mlp_layernorm.weight         l.post_attention_layernorm.weight
     L.mlp.linear_fc1.weight            [this rank's rows of gate_proj; of up_proj]
@@ -28,7 +30,11 @@ import torch
 
 from mopd.base.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+# What the conversion expresses exactly. Refused (use the hf backend): other families (Gemma's scaled
+# embeddings and soft-capped logits, Phi's parallel blocks and LayerNorm, Mistral's and Qwen2's sliding
+# windows, mixtures of experts), RoPE scaling (Llama 3.1's, YaRN), biases outside q/k/v, and activations
+# other than SwiGLU.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 VOCAB_DIVISIBLE_BY = 128
 
 
@@ -44,6 +50,7 @@ class GPTShape:
     ffn_hidden_size: int
     vocab_size: int
     qkv_bias: bool
+    qk_norm: bool  # Qwen3's RMSNorm of each query and key head
     tied: bool
     norm_eps: float
     rope_theta: float
@@ -65,6 +72,10 @@ class GPTShape:
             )
         if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
             raise ConfigError("the megatron backend converts models without attention-output or MLP biases")
+        if getattr(config, "use_sliding_window", False):
+            raise ConfigError(
+                "the megatron backend does not convert sliding-window attention; use the hf backend"
+            )
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ConfigError(f"the megatron backend converts SwiGLU models, not {config.hidden_act!r}")
         heads = int(config.num_attention_heads)
@@ -78,6 +89,7 @@ class GPTShape:
             ffn_hidden_size=int(config.intermediate_size),
             vocab_size=int(config.vocab_size),
             qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             norm_eps=float(config.rms_norm_eps),
             rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
@@ -168,6 +180,9 @@ def hf_to_megatron(
             tp_rank,
             tp_size,
         )
+        if shape.qk_norm:
+            out[dst + "self_attention.q_layernorm.weight"] = hf[attn + "q_norm.weight"].clone()
+            out[dst + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"].clone()
         if shape.qkv_bias:
             out[dst + "self_attention.linear_qkv.bias"] = _qkv(
                 hf[attn + "q_proj.bias"],
@@ -219,6 +234,9 @@ def megatron_to_hf(
             hf[dst + "input_layernorm.weight"] = shards[0][src + "input_layernorm.weight"].clone()
             q, k, v = _unqkv([s[src + "self_attention.linear_qkv.weight"] for s in shards], shape)
             hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"] = q, k, v
+            if shape.qk_norm:
+                hf[attn + "q_norm.weight"] = shards[0][src + "self_attention.q_layernorm.weight"].clone()
+                hf[attn + "k_norm.weight"] = shards[0][src + "self_attention.k_layernorm.weight"].clone()
             if shape.qkv_bias:
                 q, k, v = _unqkv([s[src + "self_attention.linear_qkv.bias"] for s in shards], shape)
                 hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"] = q, k, v

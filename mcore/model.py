@@ -1,4 +1,5 @@
-"""Megatron-core GPTModel for an HF Llama/Qwen2-family checkpoint (local spec: no Transformer Engine)."""
+"""Megatron-core GPTModel for an HF Llama/Qwen2/Qwen3-family checkpoint (local spec: no Transformer
+Engine)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
+        # Qwen3's per-head query/key norms; finalize_model_grads sums their gradients over the tensor-
+        # parallel ranks (each normalises its own heads with the same weight).
+        qk_layernorm=shape.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -88,13 +92,20 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
 
 
-def block_spec(num_layers: int) -> Any:
-    """One pipeline stage's decoder: `num_layers` layers of megatron-core's local spec, norms `RMSNorm`."""
+def block_spec(num_layers: int, *, qk_norm: bool = False) -> Any:
+    """One pipeline stage's decoder: `num_layers` layers of megatron-core's local spec, norms `RMSNorm`
+    (with `qk_norm`, also each attention head's query and key)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
-    norms = dataclasses.replace(layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm)
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+    attention = layer.submodules.self_attention
+    if qk_norm:
+        heads = dataclasses.replace(attention.submodules, q_layernorm=RMSNorm, k_layernorm=RMSNorm)
+        attention = dataclasses.replace(attention, submodules=heads)
+    norms = dataclasses.replace(
+        layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm, self_attention=attention
+    )
     return TransformerBlockSubmodules(
         layer_specs=[dataclasses.replace(layer, submodules=norms)] * num_layers, layer_norm=RMSNorm
     )
@@ -126,7 +137,7 @@ def gpt_model(
     )
     return GPTModel(
         config,
-        block_spec(shape.num_layers // pp),
+        block_spec(shape.num_layers // pp, qk_norm=shape.qk_norm),
         vocab_size=shape.padded_vocab_size(tp),
         max_sequence_length=shape.max_position_embeddings,
         pre_process=pre_process,

@@ -8,7 +8,7 @@ one, write such a class (its LM head, transform and capture check can come from
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -41,10 +41,16 @@ class TeacherModel(HiddenStateSource, Protocol):
 
 
 def load_teacher(
-    settings: PrecomputeConfig, backend: str, checkpoint: str, *, max_model_len: int, group: Any = None
+    settings: PrecomputeConfig,
+    backend: str,
+    checkpoint: str,
+    *,
+    max_model_len: int,
+    group: Any = None,
+    log: Callable[[str], Any] = print,
 ) -> TeacherModel:
     """Loads one teacher checkpoint with `backend` (vllm and megatron are imported only when asked for;
-    `group` is the megatron backend's ModelParallelGroup)."""
+    `group` is the megatron backend's ModelParallelGroup; `log` hears which devices a vLLM engine spans)."""
     if backend == "hf":
         from mopd.precompute.hf_backend import HFTeacher
 
@@ -64,6 +70,9 @@ def load_teacher(
             device=settings.device,
             dtype=settings.dtype,
             trust_remote_code=settings.trust_remote_code,
+            tp=settings.parallel.tp,
+            pp=settings.parallel.pp,
+            log=log,
         )
     if backend == "megatron":
         from mopd.precompute.megatron_backend import MegatronTeacher

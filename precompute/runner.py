@@ -277,6 +277,7 @@ def run_tasks(
     backend: str,
     group: ModelParallelGroup | None,
     show_progress: bool,
+    log: Callable[[str], Any] = print,
 ) -> float:
     """Every task of `todo` through the function of its kind; each teacher is loaded once, for all of
     its tasks, one teacher at a time. Returns the tokens per second of the hidden-state tasks."""
@@ -289,7 +290,9 @@ def run_tasks(
             if mine:
                 progress.describe(f"teacher {'+'.join(slot.aliases)}")
                 length = int(rows.lengths.max())
-                teacher = load_teacher(settings, backend, slot.checkpoint, max_model_len=length, group=group)
+                teacher = load_teacher(
+                    settings, backend, slot.checkpoint, max_model_len=length, group=group, log=log
+                )
                 run_teacher_tasks(output, teacher, mine, rows, settings.batch_tokens, progress)
     return progress.tokens / max(time.perf_counter() - start, 1e-9)
 
@@ -368,7 +371,7 @@ def run_precompute(
             log(describe_share(store, plan, share, rows, output))
 
         progress = show_progress and output.writes
-        tokens_per_s = run_tasks(output, share.todo, teachers, rows, settings, backend, group, progress)
+        tokens_per_s = run_tasks(output, share.todo, teachers, rows, settings, backend, group, progress, log)
         manifest = output.finalize()
         if group is not None:  # every rank returns once its world's stores are written, the manifest too
             group.wait_for_world()

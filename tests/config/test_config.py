@@ -131,12 +131,16 @@ def test_yaml_aliases_nan_and_oversized_configs_are_refused(tmp_path: Path) -> N
 
 
 def test_teacher_parallelism_is_checked_with_the_backend_that_runs(tmp_path: Path) -> None:
-    """`precompute --backend megatron` may be what makes `precompute.parallel` valid, so the two are
+    """`precompute --backend vllm` may be what makes `precompute.parallel` valid, so the two are
     checked together when the backend is known."""
     config = load_config(write(tmp_path, BASE + "precompute: {parallel: {tp: 2}}\n"))
     assert config.precompute.with_backend("megatron").backend == "megatron"
-    for backend in (None, "hf", "vllm"):
-        with pytest.raises(ConfigError, match=r"precompute.parallel tp=2 × pp=1 needs the megatron backend"):
+    assert config.precompute.with_backend("vllm").parallel.tp == 2
+    for backend in (None, "hf"):
+        with pytest.raises(ConfigError, match=r"tp=2 × pp=1 needs the vllm or megatron backend"):
             config.precompute.with_backend(backend)
+    split = load_config(write(tmp_path, BASE + "precompute: {parallel: {tp: 2, sequence_parallel: true}}\n"))
+    with pytest.raises(ConfigError, match="sequence_parallel is the megatron backend's"):
+        split.precompute.with_backend("vllm")
     megatron = load_config(write(tmp_path, BASE + "precompute: {backend: megatron, parallel: {tp: 2}}\n"))
     assert megatron.precompute.with_backend(None) is megatron.precompute

@@ -12,8 +12,9 @@ import yaml
 
 from mopd.store import open_store
 from tests.distributed.harness import run_torchrun
+from tests.precompute.conftest import routed_config
 from tests.precompute.stores import assert_fp32_equal, build
-from tests.precompute.teachers import make_tokenizer, mixed_records, save_teacher, write_jsonl
+from tests.precompute.teachers import make_tokenizer, save_teacher
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -21,7 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Llama and a Qwen2 teacher (2 key/value heads, so TP=2 splits them) over 12 rows of 2 agents."""
+    """A Llama, a Qwen2 and a Qwen3 teacher (2 key/value heads, so TP=2 splits them) over 12 rows of 3
+    agents."""
     root = tmp_path_factory.mktemp("megatron-precompute")
     tokenizer = make_tokenizer()
     teachers = {
@@ -31,17 +33,11 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "code": save_teacher(
             root / "qwen2", "qwen2", hidden_size=64, seed=32, tokenizer=tokenizer, num_key_value_heads=2
         ),
+        "chat": save_teacher(
+            root / "qwen3", "qwen3", hidden_size=64, seed=33, tokenizer=tokenizer, num_key_value_heads=2
+        ),
     }
-    records = [{**r, "agent": ("math", "code")[i % 2]} for i, r in enumerate(mixed_records(12))]
-    raw = {
-        "teachers": {alias: str(path) for alias, path in teachers.items()},
-        "data": {"path": str(write_jsonl(root / "train.jsonl", records)), "max_length": 96},
-        "store": {"path": str(root / "store.zarr"), "dtype": "float32"},
-        "precompute": {"rows_per_task": 4, "batch_tokens": 256, "dtype": "float32"},
-    }
-    path = root / "config.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
+    return routed_config(root, teachers)
 
 
 def torchrun_precompute(

@@ -2,7 +2,8 @@
 TP2×PP2 (with sequence parallelism), TP2×DP2 and PP2×DP2 gives the single-process hf run's 5 steps; only
 the last pipeline stage holds teacher heads; a TP2×PP2 run resumes exactly, resumes at TP1×PP2 and
 TP2×PP1 (megatron-core's distributed checkpoint), refuses another teacher list, and exports an HF
-student with the trained model's logits."""
+student with the trained model's logits. The student is a Qwen3 (the Llama and Qwen2 conversions train in
+test_megatron_student.py)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def parallel(tp: int, pp: int) -> dict:
 @dataclass(frozen=True)
 class Setup:
     world: World
-    student: Path  # a tied Llama student whose heads and KV heads split over two TP ranks
+    student: Path  # a tied Qwen3 student whose heads and KV heads split over two TP ranks
     root: Path
 
     def config(self, name: str, *, store: Path | None = None, **train: object) -> Path:
@@ -75,9 +76,9 @@ class Launched:
 @pytest.fixture(scope="module")
 def setup(world: World, tmp_path_factory: pytest.TempPathFactory) -> Setup:
     root = tmp_path_factory.mktemp("megatron-train")
-    student = save_teacher(
+    student = save_teacher(  # Qwen3: per-head q/k norms, whose gradients sum over the TP ranks
         root / "student",
-        "llama",
+        "qwen3",
         hidden_size=64,
         seed=13,
         tokenizer=make_tokenizer(),

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from mopd.base.errors import ConfigError
 from mopd.mcore.convert import GPTShape, hf_to_megatron, megatron_to_hf
 from tests.distributed.harness import run_distributed
-from tests.precompute.teachers import make_tokenizer, model_config, save_teacher
+from tests.precompute.teachers import distinct_head_norms, make_tokenizer, model_config, save_teacher
 from tests.tolerance import assert_close, network_rtol, perturbed
 
 VOCAB = 400
@@ -23,7 +23,9 @@ def hf_model(arch: str, *, tied: bool = False, seed: int = 0, **extra: Any) -> A
     torch.manual_seed(seed)
     extra = {"num_key_value_heads": 4, **extra}
     config = model_config(arch, vocab_size=VOCAB, hidden_size=64, tie_word_embeddings=tied, **extra)
-    return AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
+    distinct_head_norms(model)
+    return model
 
 
 def convert(state: dict[str, torch.Tensor], shape: GPTShape, tp: int, layers: list[int]) -> list[list[dict]]:
@@ -48,7 +50,7 @@ def convert(state: dict[str, torch.Tensor], shape: GPTShape, tp: int, layers: li
     return stages
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize(("tp", "layers"), [(1, [2]), (2, [2]), (4, [2]), (2, [1, 1]), (1, [1, 1])])
 def test_round_trip_is_bit_exact(arch: str, tied: bool, tp: int, layers: list[int]) -> None:
@@ -68,8 +70,12 @@ def test_round_trip_is_bit_exact(arch: str, tied: bool, tp: int, layers: list[in
 
 
 def test_unsupported_models_are_refused() -> None:
-    with pytest.raises(ConfigError, match="converts llama, qwen2 checkpoints, not 'gemma2'"):
+    with pytest.raises(ConfigError, match="converts llama, qwen2, qwen3 checkpoints, not 'gemma2'"):
         GPTShape.from_hf_config(hf_model("gemma2").config)
+    with pytest.raises(ConfigError, match="sliding-window attention"):
+        GPTShape.from_hf_config(hf_model("qwen3", use_sliding_window=True, sliding_window=16).config)
+    with pytest.raises(ConfigError, match="without attention-output or MLP biases"):
+        GPTShape.from_hf_config(hf_model("qwen3", attention_bias=True).config)
     with pytest.raises(ConfigError, match="RoPE scaling"):
         GPTShape.from_hf_config(
             hf_model(
@@ -128,12 +134,12 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         arch: save_teacher(
             root / arch, arch, hidden_size=64, seed=seed, tokenizer=tokenizer, num_key_value_heads=2
         )
-        for arch, seed in (("llama", 21), ("qwen2", 22))
+        for arch, seed in (("llama", 21), ("qwen2", 22), ("qwen3", 23))
     }
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize(("tp", "sequence_parallel"), [(1, False), (2, False), (2, True)])
 def test_megatron_forward_equals_hf_logits(
     checkpoints: dict[str, Path], arch: str, tp: int, sequence_parallel: bool

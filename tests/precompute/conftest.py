@@ -54,6 +54,15 @@ def write_config(
     return path
 
 
+def routed_config(root: Path, teachers: dict[str, Path], rows: int = 12) -> Path:
+    """`write_config` over `rows` chat rows routed to the aliases in turn, 4 rows a task."""
+    agents = list(teachers)
+    records = [{**r, "agent": agents[i % len(agents)]} for i, r in enumerate(mixed_records(rows))]
+    data = write_jsonl(root / "train.jsonl", records)
+    store = str(root / "store.zarr")
+    return write_config(root, teachers, data=data, store=store, precompute={"rows_per_task": 4})
+
+
 def four_aliases(tiny_teachers: dict[str, Path]) -> dict[str, Path]:
     """4 aliases over 3 checkpoints (Llama 64, Qwen2 96, Llama 48)."""
     return {

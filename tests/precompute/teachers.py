@@ -56,10 +56,11 @@ def model_config(arch: str, *, vocab_size: int, hidden_size: int, head_dim: int 
     classes = {
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
         "gemma2": transformers.Gemma2Config,
         "phi": transformers.PhiConfig,
     }
-    if arch in ("llama", "qwen2", "gemma2"):
+    if arch in ("llama", "qwen2", "qwen3", "gemma2"):
         common.update(head_dim=head_dim)
     if arch == "gemma2":
         common.update(query_pre_attn_scalar=head_dim)
@@ -84,12 +85,22 @@ def save_teacher(
     rows = output_rows or len(tokenizer)
     config = model_config(arch, vocab_size=rows, hidden_size=hidden_size, **extra)
     model = AutoModelForCausalLM.from_config(config)
+    distinct_head_norms(model)
     if arch == "phi":  # an output bias: logits that are not transform(h · Wᵀ)
         with torch.no_grad():
             model.lm_head.bias.normal_(0.0, 3.0)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def distinct_head_norms(model: Any) -> None:
+    """Qwen3's per-head query and key norms, given weights of their own (they start as ones, which a
+    conversion that swapped or dropped them would not show)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:

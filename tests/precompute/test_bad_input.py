@@ -46,10 +46,16 @@ def test_unknown_agent_without_default(tmp_path: Path, teachers: dict[str, Path]
     assert_refused(write_config(tmp_path, teachers, data=data), "row 1: agent 'poetry' has no teacher")
 
 
-def test_teacher_parallelism_needs_the_megatron_backend(tmp_path: Path, teachers: dict[str, Path]) -> None:
+def test_teacher_parallelism_the_backend_cannot_run(tmp_path: Path, teachers: dict[str, Path]) -> None:
+    """hf runs a teacher whole on one device; vLLM has its own sequence split."""
     data = write_jsonl(tmp_path / "d.jsonl", [{"agent": "math", "text": "a"}])
-    config = write_config(tmp_path, teachers, data=data, precompute={"parallel": {"tp": 2}})
-    assert_refused(config, "precompute.parallel tp=2 × pp=1 needs the megatron backend")
+    if os.environ["MOPD_TEST_BACKEND"] == "hf":
+        config = write_config(tmp_path, teachers, data=data, precompute={"parallel": {"tp": 2}})
+        assert_refused(config, "precompute.parallel tp=2 × pp=1 needs the vllm or megatron backend")
+    else:
+        layout = {"tp": 2, "sequence_parallel": True}
+        config = write_config(tmp_path, teachers, data=data, precompute={"parallel": layout})
+        assert_refused(config, "precompute.parallel.sequence_parallel is the megatron backend's")
 
 
 def test_missing_routing_column(tmp_path: Path, teachers: dict[str, Path]) -> None:
