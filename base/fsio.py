@@ -12,12 +12,14 @@ import errno
 import hashlib
 import os
 import platform
+import re
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 from mopd.base import faults
-from mopd.base.errors import FilesystemError, ManifestError
+from mopd.base.errors import ConfigError, FilesystemError, ManifestError
 
 _HASH_BLOCK = 1 << 22
 # How a reader refuses a symbolic link inside a store ("<path>: " or "<path> is " before it).
@@ -25,6 +27,26 @@ LINK_REFUSED = (
     "a symbolic link, which a store never holds and mopd never follows; put the file itself there, or "
     "rebuild the store"
 )
+
+
+def store_folder(location: str | Path, *, what: str) -> Path:
+    """The folder a store location names: a path, or a `file://` URL. `what` names the setting in errors.
+
+    Raises:
+        ConfigError: another URL scheme (`s3://`, `gs://`…): a store is a folder on a local or shared
+            filesystem, and `Path` would quietly turn `s3://bucket/x` into a local folder `s3:/bucket/x`.
+    """
+    text = str(location)
+    scheme, separator, _ = text.partition("://")
+    if not separator or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
+        return Path(text)
+    if scheme.lower() == "file":
+        return Path(unquote(urlparse(text).path))
+    raise ConfigError(
+        f"{what} {text}: a store is a folder on a local or shared filesystem (a path or a file:// URL); "
+        f"mopd does not read or write {scheme}:// object storage: write the store to a filesystem that "
+        "every job and trainer mounts (a parallel filesystem, NFS), or copy it to local disk"
+    )
 
 
 def fsync_path(path: Path) -> None:

@@ -8,9 +8,28 @@ from typing import Any
 
 import click
 
+from mopd.base.errors import ConfigError
+from mopd.base.fsio import store_folder
+
 
 def config_argument(command: Callable[..., Any]) -> Callable[..., Any]:
     """CONFIG, then any number of `key.path=value` overrides of it (`config/overrides.py`), passed to the
     command as `config_path` and `overrides`."""
     command = click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")(command)
     return click.argument("config_path", metavar="CONFIG", type=click.Path(path_type=Path))(command)
+
+
+class StoreLocation(click.ParamType):
+    """A store's folder: a path or a file:// URL (`base.fsio.store_folder`); object-storage URLs are
+    refused with the reason."""
+
+    name = "store"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        try:
+            return store_folder(value, what=f"{param.human_readable_name if param else 'store'}")
+        except ConfigError as err:
+            self.fail(str(err), param, ctx)
+
+
+STORE = StoreLocation()

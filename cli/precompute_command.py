@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from mopd.cli.arguments import config_argument
+from mopd.cli.arguments import STORE, config_argument
 from mopd.cli.console import plain_log, stderr_console
 from mopd.cli.store_commands import format_size
 from mopd.config.mopd_config import load_config
@@ -15,9 +15,7 @@ from mopd.config.mopd_config import load_config
 
 @click.command("precompute")
 @config_argument
-@click.option(
-    "--store", "store_path", type=click.Path(path_type=Path), help="Store path (default: store.path)."
-)
+@click.option("--store", "store_path", type=STORE, help="Store path (default: store.path).")
 @click.option("--backend", type=click.Choice(["hf", "vllm", "megatron"]), help="Teacher backend.")
 @click.option("--num-tasks", type=int, default=None, help="Split the work across this many jobs.")
 @click.option("--task-index", type=int, default=None, help="This job's index in [0, --num-tasks).")

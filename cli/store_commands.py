@@ -12,13 +12,14 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from mopd.cli.arguments import STORE
 from mopd.config.mopd_config import load_config
 from mopd.store.summary import summarise_store
 from mopd.store.verify import verify_store
 
 
 @click.command("verify-manifest")
-@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("store", type=STORE)
 @click.option(
     "--config",
     "config_path",
@@ -69,7 +70,7 @@ def format_size(num_bytes: float) -> str:
 
 
 @click.command("inspect")
-@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("store", type=STORE)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 def inspect_command(store: Path, as_json: bool) -> None:
     """Show the teachers, rows, tokens and bytes of STORE (in 100 columns; --json for scripts)."""

@@ -7,16 +7,14 @@ from pathlib import Path
 
 import click
 
-from mopd.cli.arguments import config_argument
+from mopd.cli.arguments import STORE, config_argument
 from mopd.cli.console import plain_log, stderr_console
 from mopd.config.mopd_config import load_config
 
 
 @click.command("train")
 @config_argument
-@click.option(
-    "--store", "store_path", type=click.Path(path_type=Path), help="Store path (default: store.path)."
-)
+@click.option("--store", "store_path", type=STORE, help="Store path (default: store.path).")
 @click.option("--output", type=click.Path(path_type=Path), help="Run folder (default: train.output_dir).")
 @click.option(
     "--resume/--no-resume",

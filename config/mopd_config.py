@@ -16,6 +16,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from mopd.base.errors import ConfigError
+from mopd.base.fsio import store_folder
 from mopd.base.jsonio import check_unicode, decode_text, describe_location
 from mopd.base.section import NonEmpty, Section
 from mopd.config.overrides import apply_overrides
@@ -168,6 +169,14 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
         except (OSError, ValueError):  # not a name this filesystem could hold: reading it will say so
             return str(path)
 
+    def as_store(value: str) -> str:
+        if not value:
+            return value  # refused by the field, as in as_path
+        try:
+            return as_path(str(store_folder(value, what="store.path")))
+        except ConfigError:
+            return value  # an object-storage URL: refused by the field, which says why
+
     def exists(value: str) -> bool:
         try:
             return (base / value).exists()
@@ -190,7 +199,7 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
         out["tokenizer"] = as_checkpoint(out["tokenizer"])
     for section, key, resolve in (
         ("data", "path", as_path),
-        ("store", "path", as_path),
+        ("store", "path", as_store),
         ("train", "student", as_checkpoint),
         ("train", "output_dir", as_path),
         ("rollout", "prompts", as_path),

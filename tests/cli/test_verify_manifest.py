@@ -48,6 +48,18 @@ def test_clean_store_passes(small_store: StoreSpec) -> None:
     assert json.loads(verify(small_store.root, "--json").stdout) == []
 
 
+def test_store_locations_are_folders(small_store: StoreSpec) -> None:
+    """A file:// URL names the folder; an object-storage URL is refused with the reason, not read as a
+    local folder `s3:/bucket/x`."""
+    assert verify(Path(small_store.root).as_uri(), "--full").exit_code == 0
+    for command in (["verify-manifest"], ["inspect"]):
+        refused = CliRunner().invoke(cli, [*command, "s3://bucket/teachers.zarr"])
+        assert refused.exit_code == 2
+        said = " ".join(refused.stderr.split())
+        assert "s3://bucket/teachers.zarr: a store is a folder on a local or shared filesystem" in said
+        assert "does not read or write s3:// object storage" in said
+
+
 def test_flipped_byte_found_by_full_only(small_store: StoreSpec) -> None:
     chunk = hidden_chunk(Path(small_store.root))
     data = bytearray(chunk.read_bytes())

@@ -30,6 +30,15 @@ def test_defaults_and_relative_paths(tmp_path: Path) -> None:
     assert config.agent_to_alias() == {"math": "math", "code": "code"}
 
 
+def test_store_path_is_a_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "stores" / "x.zarr"
+    config = load_config(write(tmp_path, BASE + f"store: {{path: '{folder.as_uri()}'}}\n"))
+    assert config.store.path == str(folder)
+    refused = r"store.path.*gs://b/x.zarr: a store is a folder on a local or shared filesystem"
+    with pytest.raises(ConfigError, match=refused):
+        load_config(write(tmp_path, BASE + "store: {path: 'gs://b/x.zarr'}\n"))
+
+
 def test_duplicate_key_is_an_error(tmp_path: Path) -> None:
     text = BASE.replace("  code: ckpts/code\n", "  code: ckpts/code\n  math: ckpts/other\n")
     with pytest.raises(ConfigError, match=r"duplicate key 'math' at line 4 \(first at line 2\)"):
