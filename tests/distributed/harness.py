@@ -88,7 +88,11 @@ def run_distributed(
             for p in procs:
                 if p.is_alive():
                     p.terminate()
+            for p in procs:
                 p.join(5)
+                if p.is_alive():  # it handles SIGTERM (a trainer's graceful stop) or waits on a thread
+                    p.kill()
+                    p.join()
     errors = {r: v for r, (s, v) in outcome.items() if s == "error"}
     if errors:
         rank = min(errors)

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -26,6 +29,19 @@ def _rank_one_hangs(rank: int, world_size: int) -> None:
 def _rank_one_raises(rank: int, world_size: int) -> None:
     if rank == 1:
         raise RuntimeError("boom on rank 1")
+
+
+def _lingers(rank: int, world_size: int) -> int:
+    """Returns, but its process does not end: SIGTERM is ignored and a thread keeps it alive."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=time.sleep, args=(3600,)).start()
+    return os.getpid()
+
+
+def test_no_rank_outlives_the_run() -> None:
+    (pid,) = run_distributed(_lingers, world_size=1, timeout=30)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 def test_results_come_back_in_rank_order() -> None:
