@@ -27,7 +27,7 @@ class StoreLocation(click.ParamType):
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
         try:
-            return store_folder(value, what=f"{param.human_readable_name if param else 'store'}")
+            return store_folder(value, what=param.human_readable_name if param else "store")
         except ConfigError as err:
             self.fail(str(err), param, ctx)
 
