@@ -29,24 +29,43 @@ LINK_REFUSED = (
 )
 
 
-def store_folder(location: str | Path, *, what: str) -> Path:
-    """The folder a store location names: a path, or a `file://` URL. `what` names the setting in errors.
+# Object-storage URL schemes a store may live under (through obstore).
+OBJECT_SCHEMES = ("s3", "gs")
+
+
+def _scheme(text: str) -> str | None:
+    scheme, separator, _ = text.partition("://")
+    return scheme.lower() if separator and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme) else None
+
+
+def object_url(text: str) -> str | None:
+    """`text` as an object-storage URL (`s3://bucket/prefix`, no trailing slash); None for a path or a
+    file:// URL."""
+    scheme = _scheme(text)
+    return text.rstrip("/") if scheme in OBJECT_SCHEMES else None
+
+
+def store_location(location: str | Path, *, what: str) -> str:
+    """A store location as mopd keeps it: an object-storage URL as written, a `file://` URL as its path.
 
     Raises:
-        ConfigError: another URL scheme (`s3://`, `gs://`…): a store is a folder on a local or shared
-            filesystem, and `Path` would quietly turn `s3://bucket/x` into a local folder `s3:/bucket/x`.
+        ConfigError: another URL scheme, or an object URL without a bucket; `what` names the setting.
     """
     text = str(location)
-    scheme, separator, _ = text.partition("://")
-    if not separator or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
-        return Path(text)
-    if scheme.lower() == "file":
-        return Path(unquote(urlparse(text).path))
-    raise ConfigError(
-        f"{what} {text}: a store is a folder on a local or shared filesystem (a path or a file:// URL); "
-        f"mopd does not read or write {scheme}:// object storage: write the store to a filesystem that "
-        "every job and trainer mounts (a parallel filesystem, NFS), or copy it to local disk"
-    )
+    scheme = _scheme(text)
+    if scheme is None:
+        return text
+    if scheme == "file":
+        return unquote(urlparse(text).path)
+    if scheme not in OBJECT_SCHEMES:
+        raise ConfigError(
+            f"{what} {text}: a store is a path, a file:// URL or an object-storage URL "
+            f"({', '.join(f'{s}://bucket/prefix' for s in OBJECT_SCHEMES)}); mopd does not know {scheme}://"
+        )
+    bucket = text.partition("://")[2].partition("/")[0]
+    if len(bucket) < 3:
+        raise ConfigError(f"{what} {text}: name the bucket, as in {scheme}://bucket/prefix")
+    return text.rstrip("/")
 
 
 def fsync_path(path: Path) -> None:
@@ -205,58 +224,16 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def safe_join(root: Path, relative: str) -> Path:
-    """`root / relative` for a path read from a record, refusing anything that escapes `root`.
+def safe_relative(relative: str) -> str:
+    """A path read from a record, as a key inside the store: relative and without `..`.
 
     Raises:
-        ManifestError: absolute paths, `..` components, or symlinks leading outside `root`.
+        ManifestError: an absolute path, or one with a `..` component.
     """
-    rel = Path(relative)
-    if rel.is_absolute() or ".." in rel.parts or relative.startswith("~"):
+    parts = relative.split("/")
+    if relative.startswith(("/", "~")) or ".." in parts or "\\" in relative:
         raise ManifestError(f"path {relative!r} in a store record must be relative and stay inside the store")
-    joined = root / rel
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(joined)
-    if real != real_root and not real.startswith(real_root + os.sep):
-        raise ManifestError(f"path {relative!r} in a store record leads outside the store (symlink?)")
-    return joined
-
-
-class SafePaths:
-    """`safe_join` for many record paths under one root: the root is resolved once and each folder on
-    the way is checked once (a store of 10k shards shares `teachers/<t>/shards`), one lstat per new
-    path component instead of a full `realpath` per path.
-
-    Args:
-        links: allow symbolic links that stay inside the root; readers of a store pass False, since a
-            store never holds one (the root itself may be a link).
-    """
-
-    def __init__(self, root: Path, *, links: bool = True) -> None:
-        self.root = root
-        self._links = links
-        self._real_root = os.path.realpath(root)
-        self._checked: set[str] = set()
-
-    def join(self, relative: str) -> Path:
-        """As `safe_join(root, relative)`.
-
-        Raises:
-            ManifestError: as `safe_join`, or a component is a link and `links` is False.
-        """
-        parts = relative.split("/")
-        if relative.startswith(("/", "~")) or ".." in parts:
-            return safe_join(self.root, relative)  # refused there, with its message
-        for depth in range(1, len(parts) + 1):
-            prefix = "/".join(parts[:depth])
-            if prefix in self._checked:
-                continue
-            if os.path.islink(os.path.join(self.root, prefix)):
-                if not self._links:
-                    raise ManifestError(f"{prefix}: {LINK_REFUSED}")
-                safe_join(self.root, prefix)  # a link: allowed only while it stays inside the root
-            self._checked.add(prefix)
-        return self.root / relative
+    return relative
 
 
 def _filesystem_type(path: Path) -> str:

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from mopd.base.errors import ConfigError
-from mopd.base.fsio import store_folder
+from mopd.base.fsio import store_location
 
 
 def config_argument(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -20,14 +20,14 @@ def config_argument(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class StoreLocation(click.ParamType):
-    """A store's folder: a path or a file:// URL (`base.fsio.store_folder`); object-storage URLs are
-    refused with the reason."""
+    """A store's location: a path, a file:// URL or an object-storage URL (`base.fsio.store_location`);
+    other URLs are refused with the reason."""
 
     name = "store"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         try:
-            return store_folder(value, what=param.human_readable_name if param else "store")
+            return store_location(value, what=param.human_readable_name if param else "store")
         except ConfigError as err:
             self.fail(str(err), param, ctx)
 

@@ -34,7 +34,7 @@ from mopd.store.verify import verify_store
 @click.option("--full", is_flag=True, help="Re-hash every byte (default: sizes and shapes only).")
 @click.option("--json", "as_json", is_flag=True, help="Print the problems as a JSON list.")
 def verify_manifest_command(
-    store: Path, config_path: Path | None, checkpoint: Path | None, full: bool, as_json: bool
+    store: str, config_path: Path | None, checkpoint: Path | None, full: bool, as_json: bool
 ) -> None:
     """Prove that STORE is complete and unchanged, and agrees with a config and a checkpoint.
 
@@ -43,6 +43,7 @@ def verify_manifest_command(
     config = load_config(config_path) if config_path is not None else None
     problems, warnings = verify_store(
         store,
+        options=config.store.options if config else None,
         teachers=config.teachers if config else None,
         routing=config.routing.model_dump(mode="json") if config else None,
         checkpoint=checkpoint,
@@ -72,7 +73,7 @@ def format_size(num_bytes: float) -> str:
 @click.command("inspect")
 @click.argument("store", type=STORE)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
-def inspect_command(store: Path, as_json: bool) -> None:
+def inspect_command(store: str, as_json: bool) -> None:
     """Show the teachers, rows, tokens and bytes of STORE (in 100 columns; --json for scripts)."""
     summary = summarise_store(store)
     if as_json:

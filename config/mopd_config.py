@@ -16,7 +16,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from mopd.base.errors import ConfigError
-from mopd.base.fsio import store_folder
+from mopd.base.fsio import object_url, store_location
 from mopd.base.jsonio import check_unicode, decode_text, describe_location
 from mopd.base.section import NonEmpty, Section
 from mopd.config.overrides import apply_overrides
@@ -173,9 +173,10 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
         if not value:
             return value  # refused by the field, as in as_path
         try:
-            return as_path(str(store_folder(value, what="store.path")))
+            location = store_location(value, what="store.path")
         except ConfigError:
-            return value  # an object-storage URL: refused by the field, which says why
+            return value  # refused by the field, which says why
+        return location if object_url(location) else as_path(location)
 
     def exists(value: str) -> bool:
         try:

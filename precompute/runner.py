@@ -7,7 +7,9 @@ completes the last task writes the manifest. Jobs share nothing but the store, s
 
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -30,6 +32,7 @@ from mopd.precompute.outputs import NoOutput, Output, StoreOutput
 from mopd.precompute.progress import TokenProgress
 from mopd.precompute.teachers import TeacherSet, load_tokenizer, resolve_teachers
 from mopd.store.layout import plan_tasks, shard_rows
+from mopd.store.locations import Location, open_location
 from mopd.store.manifest import (
     DatasetInfo,
     HeadTask,
@@ -41,7 +44,7 @@ from mopd.store.manifest import (
     TeacherInfo,
     TokenizerInfo,
 )
-from mopd.store.provenance import INGEST_DIR
+from mopd.store.provenance import INGEST_DIR, INGEST_RECORD
 from mopd.store.writer import StoreWriter
 
 if TYPE_CHECKING:
@@ -62,7 +65,7 @@ class TeacherStats:
 
 @dataclass
 class PrecomputeResult:
-    store: Path
+    store: str  # the store's path or URL
     tasks_total: int
     tasks_selected: int
     tasks_computed: list[str]
@@ -133,8 +136,31 @@ def build_plan(
     )
 
 
+def ingest_cache(location: Location) -> Path:
+    """Where the tokenised rows are kept: inside a store on a filesystem, so that every job of the store
+    reads what the first one made; on this machine for a store in a bucket (each machine tokenises once),
+    whose ingest records are copied into the store (`publish_ingest_records`)."""
+    folder = location.local_folder()
+    if folder is not None:
+        return folder / INGEST_DIR
+    spool = Path(os.environ.get("MOPD_SPOOL") or tempfile.gettempdir())
+    return spool / "mopd-ingest" / hashlib.sha256(location.url.encode()).hexdigest()[:16]
+
+
+def publish_ingest_records(location: Location, cache: Path) -> None:
+    """Copies the ingest records of a store in a bucket into it, where `store.provenance` reads them."""
+    if location.local_folder() is None:
+        for record in sorted(cache.glob(f"*/{INGEST_RECORD}")):
+            location.write_same(f"{INGEST_DIR}/{record.parent.name}/{INGEST_RECORD}", record.read_bytes())
+
+
 def ingest_rows(
-    config: MopdConfig, teachers: TeacherSet, store: Path, *, show_progress: bool, log: Callable[[str], Any]
+    config: MopdConfig,
+    teachers: TeacherSet,
+    cache: Path,
+    *,
+    show_progress: bool,
+    log: Callable[[str], Any],
 ) -> TokenizedRows:
     """The dataset's rows, tokenised and routed; the first job of a store ingests, later ones read.
 
@@ -150,7 +176,7 @@ def ingest_rows(
         tokenizer_path=teachers.tokenizer_path,
         contexts=teachers.contexts,
         load_tokenizer=lambda: load_tokenizer(teachers.tokenizer_path, trust_remote_code=trust_remote_code),
-        cache=store / INGEST_DIR,
+        cache=cache,
         num_proc=config.data.num_proc or min(8, os.cpu_count() or 1),
         show_progress=show_progress,
         log=log,
@@ -229,14 +255,14 @@ def compute_dtype(settings: PrecomputeConfig) -> str:
     return str(resolve_dtype(settings.dtype, resolve_device(settings.device))).removeprefix("torch.")
 
 
-def open_output(store: Path, plan: Plan, hidden_dtype: str, group: ModelParallelGroup | None) -> Output:
+def open_output(store: Location, plan: Plan, hidden_dtype: str, group: ModelParallelGroup | None) -> Output:
     """The store, for a job's writer; nothing, for the other ranks of a megatron group."""
     if group is None or group.is_lead:
         return StoreOutput(StoreWriter.open(store, plan), hidden_dtype)
     return NoOutput()
 
 
-def describe_share(store: Path, plan: Plan, share: Share, rows: TokenizedRows, output: Output) -> str:
+def describe_share(store: str, plan: Plan, share: Share, rows: TokenizedRows, output: Output) -> str:
     removed = len(output.removed)
     return (
         f"store {store}: {len(plan.tasks)} tasks, {len(share.selected)} for this job ({len(share.skipped)} "
@@ -307,7 +333,7 @@ def hidden_totals(todo: list[Task], rows: TokenizedRows) -> dict[str, int]:
 
 
 def precompute_result(
-    store: Path,
+    store: str,
     plan: Plan,
     share: Share,
     rows: TokenizedRows,
@@ -356,23 +382,24 @@ def run_precompute(
     settings = config.precompute.with_backend(backend)
     backend = settings.backend
     check_device(settings.device, key="precompute.device")
-    store, teachers = (
-        Path(store_path or config.store.path),
-        resolve_teachers(config.teachers, config.tokenizer),
-    )
-    rows = ingest_rows(config, teachers, store, show_progress=show_progress, log=log)
+    location = open_location(str(store_path or config.store.path), config.store.options)
+    location.prepare()  # a store that cannot keep the commit protocol is refused before any work
+    teachers = resolve_teachers(config.teachers, config.tokenizer)
+    cache = ingest_cache(location)
+    rows = ingest_rows(config, teachers, cache, show_progress=show_progress, log=log)
     plan = build_plan(config, teachers, rows, backend, compute_dtype(settings))
 
     group, num_tasks, task_index = start_job(backend, settings, num_tasks, task_index)
     with group or nullcontext():  # the job's model-parallel state ends with the job, however it ends
-        output = open_output(store, plan, config.store.dtype, group)
+        output = open_output(location, plan, config.store.dtype, group)
         share = job_share(plan, output, group, num_tasks, task_index)
         if output.writes:
-            log(describe_share(store, plan, share, rows, output))
+            publish_ingest_records(location, cache)
+            log(describe_share(location.url, plan, share, rows, output))
 
         progress = show_progress and output.writes
         tokens_per_s = run_tasks(output, share.todo, teachers, rows, settings, backend, group, progress, log)
         manifest = output.finalize()
         if group is not None:  # every rank returns once its world's stores are written, the manifest too
             group.wait_for_world()
-    return precompute_result(store, plan, share, rows, manifest, tokens_per_s, output)
+    return precompute_result(location.url, plan, share, rows, manifest, tokens_per_s, output)

@@ -31,7 +31,7 @@ import google_crc32c
 import numpy as np
 
 from mopd.base import faults
-from mopd.store.chunks import chunk_file
+from mopd.store.chunks import chunk_name
 from mopd.store.files import CRC_FILE
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ class ArrayAppender:
         self._in_flight: deque[Future[bytes]] = deque()
         self._index: list[tuple[int, int]] = []
         self._crcs: list[bytes] = []  # each written chunk's crc32c trailer, then the index's
-        self._shard = chunk_file(path, 0, len(shape))
+        self._shard = path / chunk_name(0, len(shape))
         self._file: Any = None
         self._offset = 0
         self._closed = False

@@ -35,9 +35,9 @@ import numpy as np
 from numcodecs import blosc
 
 from mopd.base.errors import StoreIntegrityError
-from mopd.base.fsio import LINK_REFUSED
 from mopd.base.jsonio import MAX_RECORD_BYTES, parse_json
-from mopd.store.files import COPIED, CRC_FILE, Recorded, open_plain, plain_stat, read_file
+from mopd.store.files import COPIED, CRC_FILE, Recorded
+from mopd.store.locations import Found, Location, join, open_location
 
 # crc32c(data + its crc32c as 4 little-endian bytes) is this constant for any data: a chunk is
 # checked in one pass over its bytes, trailer included, with no copy.
@@ -68,9 +68,9 @@ class _Layout:
     chunks_per_shard: int | None  # None: one file per chunk (formats 1 and 2)
 
 
-def chunk_file(path: Path, index: int, ndim: int) -> Path:
-    """The file of chunk (or shard) `index` along axis 0 under the default key encoding."""
-    return path.joinpath("c", str(index), *("0" for _ in range(ndim - 1)))
+def chunk_name(index: int, ndim: int) -> str:
+    """The file of chunk (or shard) `index` along axis 0 under the default key encoding, inside its array."""
+    return "/".join(("c", str(index), *("0" for _ in range(ndim - 1))))
 
 
 def _codec_chain(codecs: list[dict[str, Any]]) -> tuple[tuple[str, ...], str]:
@@ -79,7 +79,7 @@ def _codec_chain(codecs: list[dict[str, Any]]) -> tuple[tuple[str, ...], str]:
     return chain, endian
 
 
-def array_header(path: str, label: str) -> tuple[tuple[int, ...], str, bytes]:
+def array_header(location: Location, key: str, label: str) -> tuple[tuple[int, ...], str, bytes]:
     """(shape, zarr data type, the file's bytes) from the zarr.json of the array at `path`: what
     `verify-manifest` checks of every array, read without opening it (a store of 10k shards holds 30k
     of them, most of them byte-identical: each distinct header is parsed once).
@@ -88,17 +88,20 @@ def array_header(path: str, label: str) -> tuple[tuple[int, ...], str, bytes]:
         FileNotFoundError: there is no zarr.json.
         StoreIntegrityError: it cannot be read, or is not an array's.
     """
-    data = _header_bytes(path, label)
+    data = _header_bytes(location, key, label)
     try:
         return (*_parse_header(data), data)
     except StoreIntegrityError as err:
         raise StoreIntegrityError(f"{label}/{err}") from err
 
 
-def check_recorded_chunks(path: str, label: str, recorded: Recorded, header: bytes) -> None:
+def check_recorded_chunks(
+    location: Location, key: str, label: str, recorded: Recorded, header: bytes
+) -> None:
     """Without decoding a chunk: the array's zarr.json (`header`), shard index and every chunk's checksum
     are the ones its part record lists (format 4; what the default `verify-manifest` checks of each
-    array). One open of the list and one of the shard, whose size comes from the record.
+    array). One read of the list, one of the shard's index and one of the chunks' trailers (ranges of the
+    shard, in few requests on a bucket), the shard's size coming from the record.
 
     Raises:
         StoreIntegrityError: naming the file and the first chunk that differs.
@@ -107,47 +110,44 @@ def check_recorded_chunks(path: str, label: str, recorded: Recorded, header: byt
     shard = next((rel for rel in recorded.files if rel.startswith("c/")), None)
     if shard is None:
         return  # an array of no rows has no shard, and no list
-    listed = os.path.join(path, CRC_FILE)
     where = f"{label}/{CRC_FILE}"
     try:
-        crcs = read_file(Path(listed), where, limit=recorded.files.get(CRC_FILE, (0,))[0] + 1)
+        crcs = location.read(join(key, CRC_FILE), where, limit=recorded.files.get(CRC_FILE, (0,))[0] + 1)
     except FileNotFoundError:
         raise StoreIntegrityError(f"{where} is missing; the store is damaged") from None
     recorded.check(CRC_FILE, crcs, where)
     chunks, size = len(crcs) // 4 - 1, recorded.files[shard][0]
-    file = Path(path, shard)
-    where = f"{label}: shard ({file})"
+    file = join(key, shard)
+    where = f"{label}: shard ({location.describe(file)})"
     index_bytes = 16 * chunks + 4
-    fd = open_plain(file, where)
     try:
-        raw = os.pread(fd, index_bytes, max(0, size - index_bytes))
-        if len(raw) != index_bytes or raw[-4:] != crcs[-4:] or google_crc32c.value(raw) != _CRC32C_RESIDUE:
-            raise StoreIntegrityError(f"{where}: its index is not the one the store recorded ({COPIED})")
-        entries = np.frombuffer(raw[:-4], dtype="<u8").reshape(chunks, 2)
-        ends = entries[:, 0] + entries[:, 1]
-        if (entries[:, 0] == _NO_CHUNK).any() or (ends > size - index_bytes).any():
-            raise StoreIntegrityError(f"{where}: its index lists a chunk that is not there")
-        trailers = b"".join(os.pread(fd, 4, offset + n - 4) for offset, n in entries.tolist())
-    except OSError as err:
-        raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
-    finally:
-        os.close(fd)
+        raw = location.read(file, where, limit=index_bytes, offset=max(0, size - index_bytes))
+    except FileNotFoundError:
+        raise StoreIntegrityError(f"{where} is missing") from None
+    if len(raw) != index_bytes or raw[-4:] != crcs[-4:] or google_crc32c.value(raw) != _CRC32C_RESIDUE:
+        raise StoreIntegrityError(f"{where}: its index is not the one the store recorded ({COPIED})")
+    entries = np.frombuffer(raw[:-4], dtype="<u8").reshape(chunks, 2)
+    ends = entries[:, 0] + entries[:, 1]
+    if (entries[:, 0] == _NO_CHUNK).any() or (ends > size - index_bytes).any():
+        raise StoreIntegrityError(f"{where}: its index lists a chunk that is not there")
+    ranges = [(offset + n - 4, 4) for offset, n in entries.tolist()]
+    trailers = b"".join(location.read_ranges(file, where, ranges, gap=0))
     differ = np.flatnonzero(np.frombuffer(trailers, "<u4") != np.frombuffer(crcs[:-4], "<u4"))
     if differ.size:
         raise StoreIntegrityError(
-            f"{label}: chunk {int(differ[0])} ({file}) is not the chunk the store recorded "
-            f"({differ.size} of {chunks} differ: {COPIED})"
+            f"{label}: chunk {int(differ[0])} ({location.describe(file)}) is not the chunk the store "
+            f"recorded ({differ.size} of {chunks} differ: {COPIED})"
         )
 
 
-def _header_bytes(path: str | Path, label: str) -> bytes:
+def _header_bytes(location: Location, key: str, label: str) -> bytes:
     """The bytes of the array's zarr.json (at most one past the record limit, which parsing refuses).
 
     Raises:
         FileNotFoundError: there is no zarr.json.
         StoreIntegrityError: it cannot be read, or is a symbolic link.
     """
-    return read_file(Path(path, "zarr.json"), f"{label}/zarr.json", limit=MAX_RECORD_BYTES + 1)
+    return location.read(join(key, "zarr.json"), f"{label}/zarr.json", limit=MAX_RECORD_BYTES + 1)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -159,11 +159,11 @@ def _parse_header(data: bytes) -> tuple[tuple[int, ...], str]:
         raise StoreIntegrityError(f"zarr.json: not an array ({err!r})") from err
 
 
-def _layout(path: Path, label: str, recorded: Recorded | None) -> _Layout:
+def _layout(location: Location, key: str, label: str, recorded: Recorded | None) -> _Layout:
     """The array's layout from its zarr.json (the recorded one, if given), refusing any layout mopd does
     not write."""
     try:
-        data = _header_bytes(path, label)
+        data = _header_bytes(location, key, label)
     except FileNotFoundError:
         raise StoreIntegrityError(f"{label}: the array's zarr.json is missing") from None
     if recorded is not None:  # the bytes the writer wrote (their sha256 is recorded): a plain parse
@@ -280,7 +280,8 @@ class ArrayReader:
     """Reads rows of one stored array, refusing anything that is not the stored data.
 
     Args:
-        path: the array's folder.
+        location: the store (or, for a lone array, its folder).
+        key: the array's folder inside it.
         label: how messages name it (its path inside the store).
         fill_missing: take an absent chunk as all fill value. Only for format-1 arrays, which skipped
             all-zero chunks; their readers check the chunk files against the part records instead.
@@ -289,18 +290,25 @@ class ArrayReader:
     """
 
     def __init__(
-        self, path: Path, *, label: str, fill_missing: bool = False, recorded: Recorded | None = None
+        self,
+        location: Location | Path,
+        key: str = "",
+        *,
+        label: str,
+        fill_missing: bool = False,
+        recorded: Recorded | None = None,
     ) -> None:
-        self.path = path
+        self.location = open_location(location)
+        self.key = key
         self.label = label
         self._recorded = recorded
-        self._layout = _layout(path, label, recorded)
+        self._layout = _layout(self.location, key, label, recorded)
         self._fill_missing = fill_missing
         self.shape = self._layout.shape
         self.logical_dtype = self._layout.logical_dtype
         self._chunk_rows = self._layout.chunk_shape[0]
         self._crcs: np.ndarray | None = None  # format 4: each inner chunk's crc32c, then the index's
-        self._checked: dict[Path, str] = {}  # file → its path in the array, its folders not links
+        self._shard_found: Found | None = None  # a bucket's shard as first seen: reads must find it so
 
     def _decode(self, index: int, data: bytes, where: str) -> np.ndarray:
         """Chunk `index` from its stored bytes, checksum first."""
@@ -325,62 +333,89 @@ class ArrayReader:
             raise StoreIntegrityError(f"{where} holds {payload.nbytes} bytes, a chunk {chunk.nbytes}")
         return chunk
 
-    def _file_stat(self, file: Path, where: str, *, missing_ok: bool = False) -> os.stat_result | None:
-        """`plain_stat` of a chunk or shard file of this array, which is the recorded size and lies in folders
-        that are not links."""
-        rel = self._checked.get(file)
-        if rel is None:
-            inside = file.relative_to(self.path)
-            for folder in inside.parents:
-                if folder.name and os.path.islink(self.path / folder):
-                    raise StoreIntegrityError(f"{self.label}/{folder.as_posix()}: {LINK_REFUSED}")
-            rel = self._checked[file] = inside.as_posix()
-        found = plain_stat(file, where, missing_ok=missing_ok)
+    def _file_stat(self, name: str, where: str, *, missing_ok: bool = False) -> Found | None:
+        """The chunk or shard file `name` of this array (`Location.stat`), at its recorded size."""
+        found = self.location.stat(join(self.key, name), where, missing_ok=missing_ok)
         if found is not None and self._recorded is not None:
-            self._recorded.check_size(rel, found.st_size, where)
+            self._recorded.check_size(name, found.size, where)
         return found
 
-    def _chunk(self, index: int) -> np.ndarray:
-        # The file's identity is part of every key: a chunk or shard deleted, replaced or changed since
-        # it was decoded is read again (and refused), never served from memory.
-        if self._layout.chunks_per_shard is not None:
-            return self._inner_chunk(index)
-        file = chunk_file(self.path, index, len(self.shape))
-        where = f"{self.label}: chunk {index} ({file})"
-        found = self._file_stat(file, where, missing_ok=self._fill_missing)
+    def _where(self, name: str, index: int | None) -> str:
+        what = "shard" if index is None else f"chunk {index}"
+        return f"{self.label}: {what} ({self.location.describe(join(self.key, name))})"
+
+    def _chunks(self, indices: list[int]) -> list[np.ndarray]:
+        """Chunks `indices`, each from the cache or read and decoded (in parallel when there are several).
+
+        The file's identity is part of every cache key: a chunk or shard deleted, replaced or changed
+        since it was decoded is read again (and refused), never served from memory.
+        """
+        if self._layout.chunks_per_shard is None:
+            chunks = (
+                map(self._file_chunk, indices)
+                if len(indices) == 1
+                else _pool().map(self._file_chunk, indices)
+            )
+            return list(chunks)
+        name, identity, entries = self._shard_index()
+        keys = [(self.location.url, self.key, index, *identity) for index in indices]
+        out: list[np.ndarray | None] = [_CACHE.get(key) for key in keys]
+        wanted = [k for k, chunk in enumerate(out) if chunk is None]
+        ranges = []
+        for k in wanted:
+            offset, nbytes = (int(n) for n in entries[indices[k]])
+            if offset == _NO_CHUNK:
+                where = self._where(name, indices[k])
+                raise StoreIntegrityError(f"{where} is missing: the shard index lists no such chunk")
+            ranges.append((offset, nbytes))
+        where = self._where(name, None)
+        try:
+            data = self.location.read_ranges(join(self.key, name), where, ranges, found=self._shard_found)
+        except FileNotFoundError:
+            raise StoreIntegrityError(f"{where} is missing") from None
+
+        def decode(k: int, raw: bytes) -> np.ndarray:
+            chunk = self._decode(indices[k], raw, self._where(name, indices[k]))
+            _CACHE.put(keys[k], chunk)
+            return chunk
+
+        decoded = (
+            [decode(wanted[0], data[0])] if len(wanted) == 1 else list(_pool().map(decode, wanted, data))
+        )
+        for k, chunk in zip(wanted, decoded, strict=True):
+            out[k] = chunk
+        return [chunk for chunk in out if chunk is not None]
+
+    def _file_chunk(self, index: int) -> np.ndarray:
+        """Chunk `index` of an array of one file per chunk (formats 1 and 2)."""
+        name = chunk_name(index, len(self.shape))
+        where = self._where(name, index)
+        found = self._file_stat(name, where, missing_ok=self._fill_missing)
         if found is None:
             return np.full(self._layout.chunk_shape, self._layout.fill_value, dtype=self._layout.dtype)
-        key = (str(file), index, found.st_ino, found.st_size, found.st_mtime_ns)
+        key = (self.location.url, self.key, index, *found.identity)
         chunk = _CACHE.get(key)
         if chunk is None:
-            data = read_file(file, where, limit=found.st_size)
+            try:
+                data = self.location.read(join(self.key, name), where, limit=found.size, found=found)
+            except FileNotFoundError:
+                raise StoreIntegrityError(f"{where} is missing") from None
             chunk = self._decode(index, data, where)
             _CACHE.put(key, chunk)
         return chunk
 
-    def _inner_chunk(self, index: int) -> np.ndarray:
-        file, identity, entries = self._shard_index()
-        key = (str(file), index, *identity)
-        chunk = _CACHE.get(key)
-        if chunk is not None:
-            return chunk
-        offset, nbytes = (int(n) for n in entries[index])
-        where = f"{self.label}: chunk {index} ({file})"
-        if offset == _NO_CHUNK:
-            raise StoreIntegrityError(f"{where} is missing: the shard index lists no such chunk")
-        chunk = self._decode(index, read_file(file, where, limit=nbytes, offset=offset), where)
-        _CACHE.put(key, chunk)
-        return chunk
-
-    def _shard_index(self) -> tuple[Path, tuple[int, int, int], np.ndarray]:
+    def _shard_index(self) -> tuple[str, tuple[Any, ...], np.ndarray]:
         """The shard file (one per array), its identity and its verified index ([chunks, 2]: offset,
         size), read once."""
-        file = chunk_file(self.path, 0, len(self.shape))
-        where = f"{self.label}: shard ({file})"
-        found = self._file_stat(file, where)
-        assert found is not None
-        identity = (found.st_ino, found.st_size, found.st_mtime_ns)
-        key = (str(file), *identity)
+        name = chunk_name(0, len(self.shape))
+        where = self._where(name, None)
+        found = self._shard_found
+        if found is None or self.location.stat_each_read:
+            found = self._file_stat(name, where)
+            assert found is not None
+            if not self.location.stat_each_read:
+                self._shard_found = found
+        key = (self.location.url, self.key, *found.identity)
         entries = _INDEXES.get(key)
         per_shard = self._layout.chunks_per_shard
         assert per_shard is not None
@@ -388,9 +423,9 @@ class ArrayReader:
             self._crcs = self._chunk_crcs(per_shard)
         if entries is None:
             index_bytes = 16 * per_shard + 4
-            if found.st_size < index_bytes:
+            if found.size < index_bytes:
                 raise StoreIntegrityError(f"{where} is truncated: shorter than its shard index")
-            raw = read_file(file, where, limit=index_bytes, offset=found.st_size - index_bytes)
+            raw = self._read(name, where, index_bytes, found.size - index_bytes, found)
             if google_crc32c.value(raw) != _CRC32C_RESIDUE:
                 raise StoreIntegrityError(
                     f"{where}: its shard index fails its crc32c checksum (changed or truncated)"
@@ -400,16 +435,22 @@ class ArrayReader:
             entries = np.frombuffer(raw[:-4], dtype="<u8").reshape(per_shard, 2)
             written = entries[:, 0] != _NO_CHUNK
             ends = entries[written, 0] + entries[written, 1]
-            if ends.size and int(ends.max()) > found.st_size - index_bytes:
+            if ends.size and int(ends.max()) > found.size - index_bytes:
                 raise StoreIntegrityError(f"{where}: its index points past the chunk data (truncated)")
             _INDEXES.put(key, entries)
-        return file, identity, entries
+        return name, found.identity, entries
+
+    def _read(self, name: str, where: str, limit: int, offset: int, found: Found | None) -> bytes:
+        try:
+            return self.location.read(join(self.key, name), where, limit=limit, offset=offset, found=found)
+        except FileNotFoundError:
+            raise StoreIntegrityError(f"{where} is missing") from None
 
     def _chunk_crcs(self, per_shard: int) -> np.ndarray:
         """The recorded crc32c of each inner chunk and of the shard index, from `CRC_FILE`."""
         where = f"{self.label}/{CRC_FILE}"
         try:
-            data = read_file(self.path / CRC_FILE, where, limit=4 * (per_shard + 1) + 1)
+            data = self.location.read(join(self.key, CRC_FILE), where, limit=4 * (per_shard + 1) + 1)
         except FileNotFoundError:
             raise StoreIntegrityError(f"{where} is missing; the store is damaged") from None
         assert self._recorded is not None
@@ -454,8 +495,7 @@ class ArrayReader:
                 pieces.setdefault(index, []).append((at, first - index * rows, last - index * rows))
                 at += last - first
         indices = sorted(pieces)
-        decoded = map(self._chunk, indices) if len(indices) == 1 else _pool().map(self._chunk, indices)
-        for index, chunk in zip(indices, decoded, strict=True):  # in order, each chunk let go once copied
+        for index, chunk in zip(indices, self._chunks(indices), strict=True):
             for at, first, last in pieces[index]:
                 out[at : at + last - first] = chunk[first:last]
         return out

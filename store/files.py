@@ -1,5 +1,4 @@
-"""Reading a store's files: never through a symbolic link, and each proved to be the file the store
-recorded.
+"""Each file a reader reads proved to be the file the store recorded.
 
 A chunk's crc32c proves only that the chunk is self-consistent: a same-shape file copied in from another
 store passes it. What binds a file to its place is its part record (itself proved by the manifest's
@@ -13,14 +12,10 @@ one (`chunks.ArrayReader`); `verify-manifest` compares all of them without decod
 from __future__ import annotations
 
 import hashlib
-import os
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from mopd.base.errors import StoreIntegrityError
-from mopd.base.fsio import LINK_REFUSED
 
 # Format 4: beside an array's shard, the crc32c of each inner chunk and then of the shard index, each 4
 # bytes little endian, in the order of the index.
@@ -63,55 +58,3 @@ class Recorded:
         size = self.files.get(rel, (None,))[0]
         if found != size:
             raise StoreIntegrityError(f"{where} holds {found} bytes, the store recorded {size} ({COPIED})")
-
-
-def open_plain(file: Path, where: str) -> int:
-    """A descriptor of `file` opened for reading, never through a symbolic link.
-
-    Raises:
-        FileNotFoundError: there is no such file.
-        StoreIntegrityError: it is a symbolic link, or cannot be opened.
-    """
-    try:
-        return os.open(file, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise
-    except OSError as err:
-        if os.path.islink(file):
-            raise StoreIntegrityError(f"{where}: {LINK_REFUSED}") from None
-        raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
-
-
-def read_file(file: Path, where: str, *, limit: int, offset: int = 0) -> bytes:
-    """Up to `limit` bytes of `file` from `offset`, never through a symbolic link.
-
-    Raises:
-        FileNotFoundError: there is no such file.
-        StoreIntegrityError: it is a symbolic link, or cannot be read.
-    """
-    fd = open_plain(file, where)
-    try:
-        return os.pread(fd, limit, offset)
-    except OSError as err:
-        raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
-    finally:
-        os.close(fd)
-
-
-def plain_stat(file: Path, where: str, *, missing_ok: bool) -> os.stat_result | None:
-    """The file's own stat (a link is not followed); None when it is absent and that is allowed.
-
-    Raises:
-        StoreIntegrityError: it is missing (and that is not allowed), a symbolic link, or cannot be read.
-    """
-    try:
-        found = file.lstat()
-    except FileNotFoundError:
-        if missing_ok:
-            return None
-        raise StoreIntegrityError(f"{where} is missing") from None
-    except OSError as err:
-        raise StoreIntegrityError(f"{where} cannot be read ({err.strerror})") from err
-    if stat.S_ISLNK(found.st_mode):
-        raise StoreIntegrityError(f"{where}: {LINK_REFUSED}")
-    return found

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mopd.base.errors import StoreIntegrityError
-from mopd.base.fsio import create_exclusive, safe_join
+from mopd.base.fsio import safe_relative
 from mopd.store.chunks import ArrayReader
 from mopd.store.files import Recorded
 from mopd.store.layout import ROW_IDS, TEACHER_INDEX
+from mopd.store.locations import Location
 from mopd.store.manifest import (
     FORMAT,
     FORMAT_VERSION,
+    MANIFEST_FILE,
     ArtifactRecord,
     HeadArtifact,
     HeadTask,
@@ -33,13 +34,14 @@ from mopd.store.manifest import (
 )
 
 
-def _read_all(root: Path, folder: str, name: str, part: PartRecord, plan: Plan) -> np.ndarray:
+def _read_all(root: Location, folder: str, name: str, part: PartRecord, plan: Plan) -> np.ndarray:
     # Finalize publishes this mopd's format only: with checksums, their list is written too.
     recorded = Recorded.of(part.files, name, bound=plan.storage.checksum is not None)
-    return ArrayReader(safe_join(root, folder) / name, label=f"{folder}/{name}", recorded=recorded).read()
+    key = safe_relative(f"{folder}/{name}")
+    return ArrayReader(root, key, label=key, recorded=recorded).read()
 
 
-def check_coverage(root: Path, plan: Plan, parts: Mapping[str, PartRecord]) -> None:
+def check_coverage(root: Location, plan: Plan, parts: Mapping[str, PartRecord]) -> None:
     """Every row of teacher i is in exactly one of teacher i's shards, within its task's row range.
 
     Raises:
@@ -97,7 +99,7 @@ def _artifact(task: TaskSpec, part: PartRecord, part_sha256: str) -> ArtifactRec
 
 
 def build_manifest(
-    root: Path,
+    root: Location,
     plan: Plan,
     parts: Mapping[str, PartRecord],
     part_hashes: Mapping[str, str],
@@ -136,7 +138,7 @@ def build_manifest(
     )
 
 
-def publish_manifest(path: Path, manifest: Manifest) -> tuple[Manifest, bool]:
+def publish_manifest(root: Location, manifest: Manifest) -> tuple[Manifest, bool]:
     """Publishes `manifest` no-clobber. An identical existing manifest means a racing finalize won.
 
     Returns:
@@ -145,13 +147,15 @@ def publish_manifest(path: Path, manifest: Manifest) -> tuple[Manifest, bool]:
     Raises:
         StoreIntegrityError: a different manifest is already there.
     """
-    if create_exclusive(path, canonical_json(manifest.model_dump(mode="json")), what="manifest"):
+    if root.create_exclusive(
+        MANIFEST_FILE, canonical_json(manifest.model_dump(mode="json")), what="manifest"
+    ):
         return manifest, True
-    existing = load_manifest(path)
+    existing = load_manifest(root)
     if existing.stable_dict() != manifest.stable_dict():
         raise StoreIntegrityError(
-            f"{path} already exists and differs from the manifest this job built (existing "
-            f"{existing.hash()[:16]}, this job's {manifest.hash()[:16]}); the store was finalized by another "
-            "run. Run `mopd verify-manifest` on it, or use a new store path."
+            f"{root.describe(MANIFEST_FILE)} already exists and differs from the manifest this job built "
+            f"(existing {existing.hash()[:16]}, this job's {manifest.hash()[:16]}); the store was finalized "
+            "by another run. Run `mopd verify-manifest` on it, or use a new store path."
         )
     return existing, False

@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
 
 from mopd.base.errors import ManifestError, StoreIncompleteError
-from mopd.base.fsio import LINK_REFUSED
 from mopd.base.jsonio import MAX_RECORD_BYTES, describe_location, parse_json
+from mopd.store.locations import Location, open_location
 
 FORMAT = "mopd-teacher-store"
 FORMAT_VERSION = 4
@@ -232,7 +231,7 @@ def artifact_hash(files: dict[str, tuple[int, str]]) -> str:
     return sha256_json(sorted([path, size, digest] for path, (size, digest) in files.items()))
 
 
-def check_format(raw: Any, path: Path) -> int:
+def check_format(raw: Any, path: str | Path) -> int:
     """Checks format name, version and required features, in that order (DESIGN §4); returns the version."""
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
@@ -313,7 +312,7 @@ def upgrade_v1_part(raw: Any) -> Any:
     return {**{k: v for k, v in raw.items() if k not in dropped}, "head": head}
 
 
-def _validate(model: type[BaseModel], raw: Any, path: Path, what: str) -> Any:
+def _validate(model: type[BaseModel], raw: Any, path: str | Path, what: str) -> Any:
     try:
         return model.model_validate(raw)
     except ValidationError as err:
@@ -330,7 +329,7 @@ REBUILD_MANIFEST = (
 )
 
 
-def parse_manifest(data: bytes, path: Path) -> Manifest:
+def parse_manifest(data: bytes, path: str | Path) -> Manifest:
     """Validates the bytes of `manifest.json` (a version-1 manifest is upgraded in memory).
 
     Raises:
@@ -349,7 +348,7 @@ def parse_manifest(data: bytes, path: Path) -> Manifest:
     return manifest
 
 
-def parse_plan(data: bytes, path: Path) -> Plan:
+def parse_plan(data: bytes, path: str | Path) -> Plan:
     raw = parse_json(data, what=f"plan {path}", error=ManifestError)
     if check_format(raw, path) == 1:
         raw = upgrade_v1_plan(raw)
@@ -357,7 +356,7 @@ def parse_plan(data: bytes, path: Path) -> Plan:
     return plan
 
 
-def parse_part(data: bytes, path: Path, *, format_version: int = FORMAT_VERSION) -> PartRecord:
+def parse_part(data: bytes, path: str | Path, *, format_version: int = FORMAT_VERSION) -> PartRecord:
     raw = parse_json(data, what=f"part record {path}", error=ManifestError)
     if format_version == 1:
         raw = upgrade_v1_part(raw)
@@ -365,65 +364,73 @@ def parse_part(data: bytes, path: Path, *, format_version: int = FORMAT_VERSION)
     return part
 
 
-def read_record(path: Path, what: str) -> bytes:
+def read_record(location: Location, key: str, what: str) -> bytes:
     """A record's bytes, refusing a missing, oversized or linked file with a `ManifestError` naming it
-    (a part record's folder too: records are the store's own files, never links to others)."""
-    try:
-        for item in (path, path.parent) if path.parent.name == PARTS_DIR else (path,):
-            if stat.S_ISLNK(item.lstat().st_mode):
-                raise ManifestError(f"{what} {path}: {item.name} is {LINK_REFUSED}")
-        size = path.stat().st_size
-        if size > MAX_RECORD_BYTES:
-            raise ManifestError(f"{what} {path}: {size} bytes, more than a record may have; it is damaged")
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise
-    except OSError as err:
-        raise ManifestError(f"{what} {path}: unreadable ({err.strerror})") from err
+    (a part record's folder too: records are the store's own files, never links to others).
+
+    Raises:
+        FileNotFoundError: there is no such record.
+    """
+    return location.read_record(key, what, limit=MAX_RECORD_BYTES)
 
 
-def load_manifest(path: Path) -> Manifest:
-    """Reads and validates `manifest.json`.
+def part_key(task_id: str) -> str:
+    """The key of a task's part record."""
+    return f"{PARTS_DIR}/{task_id}.json"
+
+
+def load_manifest(store: Location | str | Path) -> Manifest:
+    """Reads and validates the store's `manifest.json`.
 
     Raises:
         FileNotFoundError: there is no manifest (the store is not finalized).
         ManifestError: see `parse_manifest`.
     """
-    return parse_manifest(read_record(path, "manifest"), path)
+    location = open_location(store)
+    return parse_manifest(read_record(location, MANIFEST_FILE, "manifest"), location.describe(MANIFEST_FILE))
 
 
-def load_plan(path: Path) -> Plan:
-    return parse_plan(read_record(path, "plan"), path)
+def load_plan(store: Location | str | Path) -> Plan:
+    location = open_location(store)
+    return parse_plan(read_record(location, PLAN_FILE, "plan"), location.describe(PLAN_FILE))
 
 
-def load_part(path: Path, *, format_version: int = FORMAT_VERSION) -> PartRecord:
-    return parse_part(read_record(path, "part record"), path, format_version=format_version)
+def load_part(
+    store: Location | str | Path, task_id: str, *, format_version: int = FORMAT_VERSION
+) -> PartRecord:
+    location = open_location(store)
+    key = part_key(task_id)
+    data = read_record(location, key, "part record")
+    return parse_part(data, location.describe(key), format_version=format_version)
 
 
-def task_progress(root: Path) -> tuple[int, int]:
+def task_progress(location: Location) -> tuple[int, int]:
     """(done, total) tasks of an unfinalized store, from its plan and part records."""
-    plan = load_plan(root / PLAN_FILE)
-    done = sum((root / PARTS_DIR / f"{task.task_id}.json").exists() for task in plan.tasks)
-    return done, len(plan.tasks)
+    plan = load_plan(location)
+    done = {name.removesuffix(".json") for name in location.names(PARTS_DIR)}
+    return sum(task.task_id in done for task in plan.tasks), len(plan.tasks)
 
 
-def read_manifest(root: Path) -> Manifest:
+def read_manifest(store: Location | str | Path) -> Manifest:
     """The store's manifest; a missing one is reported with how many tasks are done.
 
     Raises:
         StoreIncompleteError: no manifest yet (message says done/total tasks and what to run).
         ManifestError: not a store, or an unsupported format.
     """
+    location = open_location(store)
     try:
-        return load_manifest(root / MANIFEST_FILE)
+        return load_manifest(location)
     except FileNotFoundError:
         pass
-    if not root.is_dir():
-        raise ManifestError(f"store {root} does not exist")
-    if not (root / PLAN_FILE).exists():
-        raise ManifestError(f"{root} is not a mopd store: it has no {MANIFEST_FILE} and no {PLAN_FILE}")
-    done, total = task_progress(root)
+    if not location.is_folder(""):
+        raise ManifestError(f"store {location.url} does not exist")
+    if not location.exists(PLAN_FILE):
+        raise ManifestError(
+            f"{location.url} is not a mopd store: it has no {MANIFEST_FILE} and no {PLAN_FILE}"
+        )
+    done, total = task_progress(location)
     raise StoreIncompleteError(
-        f"{root} has no {MANIFEST_FILE}: {done} of {total} tasks are done; run `mopd precompute` again "
-        "with the same config to finish it (finished tasks are skipped)"
+        f"{location.url} has no {MANIFEST_FILE}: {done} of {total} tasks are done; run `mopd precompute` "
+        "again with the same config to finish it (finished tasks are skipped)"
     )

@@ -13,19 +13,22 @@ from typing import Any
 
 from mopd.base.errors import ManifestError
 from mopd.base.fsio import files_digest
-from mopd.base.jsonio import parse_json
+from mopd.base.jsonio import MAX_RECORD_BYTES, parse_json
+from mopd.store.locations import Location
 
 INGEST_DIR = "ingest"
 INGEST_RECORD = "ingest.json"
 
 
-def recorded_source(root: Path, fingerprint: str) -> list[tuple[str, int, str]] | None:
+def recorded_source(store: Location, fingerprint: str) -> list[tuple[str, int, str]] | None:
     """The data files (relative path, size, sha256) whose tokenised rows have `fingerprint` (the
     manifest's dataset fingerprint), as the store's ingest record lists them; None where the store holds
     no such record (it was removed, or the store was built by hand)."""
-    for record in sorted((root / INGEST_DIR).glob(f"*/{INGEST_RECORD}")):
+    for name in store.names(INGEST_DIR):
+        key = f"{INGEST_DIR}/{name}/{INGEST_RECORD}"
         try:
-            meta: Any = parse_json(record.read_bytes(), what=str(record), error=ManifestError)
+            data = store.read_record(key, "ingest record", limit=MAX_RECORD_BYTES)
+            meta: Any = parse_json(data, what=store.describe(key), error=ManifestError)
             if meta["rows"]["fingerprint"] == fingerprint:
                 return [(str(name), int(size), str(sha)) for name, size, sha in meta["inputs"]["source"]]
         except (OSError, ManifestError, KeyError, TypeError, ValueError):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -22,16 +22,17 @@ import numpy as np
 import torch
 
 from mopd.base.errors import ManifestError, StoreIntegrityError
-from mopd.base.fsio import SafePaths
+from mopd.base.fsio import safe_relative
 from mopd.store.chunks import ArrayReader
 from mopd.store.files import Recorded
 from mopd.store.layout import HIDDEN, INPUT_IDS, LOSS_MASK, OFFSETS, ROW_IDS, TEACHER_INDEX
+from mopd.store.locations import Location, open_location
 from mopd.store.manifest import (
     BOUND_FROM_VERSION,
-    PARTS_DIR,
     PartRecord,
     TeacherEntry,
     parse_part,
+    part_key,
     read_manifest,
     read_record,
 )
@@ -61,14 +62,15 @@ class TeacherStore:
     """A finalized teacher store, read-only.
 
     Args:
-        root: the store folder.
+        root: the store: a folder, an object-storage URL, or its `Location`.
+        options: the object-storage client's settings (`store.options`).
     """
 
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
-        self.manifest = read_manifest(self.root)
+    def __init__(self, root: str | Path | Location, options: Mapping[str, str] | None = None) -> None:
+        self.location = open_location(root, options)
+        self.root = self.location.url
+        self.manifest = read_manifest(self.location)
         self._artifacts = {a.path: a for a in self.manifest.artifacts()}
-        self._paths = SafePaths(self.root, links=False)
         rows = self._array(self.manifest.rows.path, OFFSETS)
         if rows.shape != (self.manifest.dataset.num_rows + 1,):
             raise StoreIntegrityError(
@@ -89,14 +91,16 @@ class TeacherStore:
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 - the store lives as long as its arrays
     def _array(self, folder: str, name: str = "") -> ArrayReader:
-        label = f"{folder}/{name}".rstrip("/")
-        path = self._paths.join(label)
-        if not path.exists():
-            raise StoreIntegrityError(f"{path} is listed in the manifest but missing; run verify-manifest")
+        label = safe_relative(f"{folder}/{name}".rstrip("/"))
+        if not self.location.is_folder(label):
+            raise StoreIntegrityError(
+                f"{self.location.describe(label)} is listed in the manifest but missing; run verify-manifest"
+            )
         legacy = self.manifest.storage.checksum is None
         if legacy:
             self._check_recorded_files(folder, name)
-        return ArrayReader(path, label=label, fill_missing=legacy, recorded=self._recorded(folder, name))
+        recorded = self._recorded(folder, name)
+        return ArrayReader(self.location, label, label=label, fill_missing=legacy, recorded=recorded)
 
     def _recorded(self, folder: str, name: str) -> Recorded | None:
         """What the part record of the task folder says of its array `name`."""
@@ -108,9 +112,10 @@ class TeacherStore:
     def _part(self, folder: str) -> PartRecord:
         """The part record of the task folder, proved to be the one the manifest lists."""
         artifact = self._artifacts[folder]
-        path = self.root / PARTS_DIR / f"{artifact.task_id}.json"
+        key = part_key(artifact.task_id)
+        path = self.location.describe(key)
         try:
-            data = read_record(path, "part record")
+            data = read_record(self.location, key, "part record")
         except FileNotFoundError:
             raise StoreIntegrityError(f"{path} is missing; run verify-manifest") from None
         if hashlib.sha256(data).hexdigest() != artifact.part_sha256:
@@ -124,8 +129,9 @@ class TeacherStore:
         for rel, (size, _digest) in self._part(folder).files.items():
             if name and not rel.startswith(f"{name}/"):
                 continue
-            path = self._paths.join(f"{folder}/{rel}")
-            found = path.stat().st_size if path.is_file() else None
+            key = safe_relative(f"{folder}/{rel}")
+            stat = self.location.stat(key, key, missing_ok=True)
+            found = None if stat is None else stat.size
             if found != size:
                 state = "missing" if found is None else f"{found} bytes, recorded {size} (truncated?)"
                 raise StoreIntegrityError(
@@ -261,12 +267,13 @@ class TeacherStore:
         return LogitTransform(entry.logit_scale, entry.final_logit_softcap).apply(logits)
 
 
-def open_store(path: str | Path) -> TeacherStore:
-    """Opens a finalized store for reading.
+def open_store(path: str | Path | Location, options: Mapping[str, str] | None = None) -> TeacherStore:
+    """Opens a finalized store for reading: a folder or an object-storage URL (`options`: the client's
+    settings, `store.options`).
 
     Raises:
         StoreIncompleteError: the store has no manifest yet (says how many tasks are done).
         ManifestError: not a store, unsupported format version or unknown required feature.
         StoreIntegrityError: arrays disagree with the recorded shapes, or a chunk cannot be read.
     """
-    return TeacherStore(path)
+    return TeacherStore(path, options)

@@ -47,7 +47,7 @@ class StoreSummary:
 
 
 def summarise_store(root: str | Path) -> StoreSummary:
-    manifest = read_manifest(Path(root))
+    manifest = read_manifest(root)
     itemsize = storage_dtype(manifest.storage.hidden_dtype).itemsize
     teachers = []
     for teacher in manifest.teachers:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
-import os
 import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -20,21 +19,22 @@ from typing import Any
 
 from mopd.base.completion import check_complete
 from mopd.base.errors import ConfigError, MopdError
-from mopd.base.fsio import LINK_REFUSED, SafePaths, is_temporary, sha256_file
+from mopd.base.fsio import LINK_REFUSED, safe_relative
 from mopd.store.arrays import storage_dtype
 from mopd.store.chunks import array_header, check_recorded_chunks
 from mopd.store.files import Recorded
 from mopd.store.fingerprint import fingerprint_for_format
 from mopd.store.layout import artifact_arrays
+from mopd.store.locations import Location, open_location
 from mopd.store.manifest import (
     BOUND_FROM_VERSION,
-    PARTS_DIR,
     ArtifactRecord,
     Manifest,
     PartRecord,
     TeacherEntry,
     artifact_hash,
     parse_part,
+    part_key,
     read_manifest,
     read_record,
 )
@@ -48,24 +48,23 @@ from mopd.store.teachers import (
 from mopd.store.temporaries import describe as describe_temporary
 from mopd.store.temporaries import temporaries
 
-_Checked = tuple[list[str], list[tuple[Path, str, str]], PartRecord | None]
+_Checked = tuple[list[str], list[tuple[str, str, str]], PartRecord | None]
 
 
-def _check_artifact(paths: SafePaths, manifest: Manifest, artifact: ArtifactRecord) -> _Checked:
+def _check_artifact(location: Location, manifest: Manifest, artifact: ArtifactRecord) -> _Checked:
     """Problems of one task folder, (file, recorded sha256, where) for a full check to hash, and its part
     record (None where it is missing or not the one the manifest lists)."""
-    root = paths.root
     try:
-        folder = paths.join(artifact.path)
+        folder = safe_relative(artifact.path)
     except MopdError as err:
         return [str(err)], [], None
-    if not folder.is_dir():
+    if not location.is_folder(folder):
         deleted = f"{artifact.path}: missing ({artifact.kind} of task {artifact.task_id} was deleted)"
         return [deleted], [], None
-    where = f"{PARTS_DIR}/{artifact.task_id}.json"
-    part_path = root / where
+    where = part_key(artifact.task_id)
+    part_path = location.describe(where)
     try:
-        data = read_record(part_path, "part record")
+        data = read_record(location, where, "part record")
     except FileNotFoundError:
         return [f"{where}: part record of task {artifact.task_id} is missing"], [], None
     except MopdError as err:
@@ -78,7 +77,8 @@ def _check_artifact(paths: SafePaths, manifest: Manifest, artifact: ArtifactReco
         return [str(err)], [], None
     if artifact_hash(part.files) != artifact.hash:
         return [f"{where}: file list does not match the manifest's hash"], [], None
-    found, links, problems = _listing(folder, artifact.path)
+    found, links = location.listing(folder)
+    problems = [f"{artifact.path}/{rel}: {LINK_REFUSED}" for rel in links]
     to_hash = []
     for rel, (size, digest) in part.files.items():
         if not _plain_relative(rel):
@@ -92,7 +92,7 @@ def _check_artifact(paths: SafePaths, manifest: Manifest, artifact: ArtifactReco
                 f"{artifact.path}/{rel}: {found[rel]} bytes, recorded {size} (truncated, or another file)"
             )
         else:
-            to_hash.append((folder / rel, digest, f"{artifact.path}/{rel}"))
+            to_hash.append((f"{folder}/{rel}", digest, f"{artifact.path}/{rel}"))
     problems += [
         f"{artifact.path}/{rel}: unexpected file, not in the part record"
         for rel in sorted(found.keys() - part.files.keys())
@@ -103,31 +103,6 @@ def _check_artifact(paths: SafePaths, manifest: Manifest, artifact: ArtifactReco
 def _plain_relative(rel: str) -> bool:
     parts = rel.split("/")
     return not rel.startswith("/") and all(part not in ("", ".", "..") for part in parts)
-
-
-def _listing(folder: Path, label: str) -> tuple[dict[str, int], list[str], list[str]]:
-    """Relative path → size of every file below `folder` (temporaries left out), the symbolic links, and
-    a problem for each link: a store never holds one, so nothing a record names can lead outside it. One
-    scandir per folder, on plain strings (a store of 10k shards holds 80k folders)."""
-    found: dict[str, int] = {}
-    links: list[str] = []
-    problems: list[str] = []
-    pending = [("", str(folder))]
-    while pending:
-        prefix, current = pending.pop()
-        with os.scandir(current) as entries:
-            for entry in entries:
-                rel = prefix + entry.name
-                if is_temporary(entry.name):
-                    continue
-                if entry.is_symlink():
-                    links.append(rel)
-                    problems.append(f"{label}/{rel}: {LINK_REFUSED}")
-                elif entry.is_dir():
-                    pending.append((rel + "/", entry.path))
-                else:
-                    found[rel] = entry.stat().st_size
-    return found, links, problems
 
 
 # Threads hashing files for `--full`: more than the cores, so that reads overlap (the disk, or a
@@ -142,7 +117,7 @@ PARALLEL_FOLDERS = 2000
 FOLDERS_PER_BLOCK = 64
 
 
-def _check_store(root: Path, manifest: Manifest, *, full: bool, threads: int) -> list[str]:
+def _check_store(root: Location, manifest: Manifest, *, full: bool, threads: int) -> list[str]:
     """Every task folder against its records; with `full`, every recorded file against its sha256.
 
     The hashing overlaps the folder checks: each block's files are queued to `threads` threads (sha256
@@ -155,7 +130,7 @@ def _check_store(root: Path, manifest: Manifest, *, full: bool, threads: int) ->
         for found, files in _folder_checks(root, manifest):
             problems += found
             if full:
-                hashed += [(pool.submit(sha256_file, path), digest, where) for path, digest, where in files]
+                hashed += [(pool.submit(root.sha256, key), digest, where) for key, digest, where in files]
         problems += [
             f"{where}: content changed (sha256 differs from the record)"
             for digest, recorded, where in hashed
@@ -165,12 +140,12 @@ def _check_store(root: Path, manifest: Manifest, *, full: bool, threads: int) ->
 
 
 def _folder_checks(
-    root: Path,
+    root: Location,
     manifest: Manifest,
     *,
     parallel_from: int = PARALLEL_FOLDERS,
     per_block: int = FOLDERS_PER_BLOCK,
-) -> Iterator[tuple[list[str], list[tuple[Path, str, str]]]]:
+) -> Iterator[tuple[list[str], list[tuple[str, str, str]]]]:
     """Blocks of task folders checked against their records and their arrays' headers against the
     layout, in manifest order: each block's problems and the files a full check hashes."""
     artifacts = list(manifest.artifacts())
@@ -190,29 +165,28 @@ def _folder_checks(
 
 
 # A folder-check worker's store and manifest (`_hold`), and the manifest's task folders.
-_HELD: tuple[Path, Manifest, list[ArtifactRecord]] | None = None
+_HELD: tuple[Location, Manifest, list[ArtifactRecord]] | None = None
 
 
-def _hold(root: Path, manifest: Manifest) -> None:
+def _hold(root: Location, manifest: Manifest) -> None:
     global _HELD
     _HELD = (root, manifest, list(manifest.artifacts()))
 
 
-def _check_span(span: tuple[int, int]) -> tuple[list[str], list[tuple[Path, str, str]]]:
+def _check_span(span: tuple[int, int]) -> tuple[list[str], list[tuple[str, str, str]]]:
     assert _HELD is not None, "a folder-check worker starts with _hold"
     root, manifest, artifacts = _HELD
     return _check_block(root, manifest, artifacts[span[0] : span[1]])
 
 
 def _check_block(
-    root: Path, manifest: Manifest, artifacts: list[ArtifactRecord]
-) -> tuple[list[str], list[tuple[Path, str, str]]]:
-    paths = SafePaths(root, links=False)
+    root: Location, manifest: Manifest, artifacts: list[ArtifactRecord]
+) -> tuple[list[str], list[tuple[str, str, str]]]:
     problems: list[str] = []
-    to_hash: list[tuple[Path, str, str]] = []
+    to_hash: list[tuple[str, str, str]] = []
     bound = manifest.format_version >= BOUND_FROM_VERSION
     for artifact in artifacts:
-        found, files, part = _check_artifact(paths, manifest, artifact)
+        found, files, part = _check_artifact(root, manifest, artifact)
         found += _check_arrays(root, manifest, artifact, part if bound and not found else None)
         problems += found
         to_hash += files
@@ -220,7 +194,7 @@ def _check_block(
 
 
 def _check_arrays(
-    root: Path, manifest: Manifest, artifact: ArtifactRecord, part: PartRecord | None
+    root: Location, manifest: Manifest, artifact: ArtifactRecord, part: PartRecord | None
 ) -> list[str]:
     """Each array of a task folder has the shape and dtype `layout.py` declares; given its part record
     (format 4), its zarr.json, shard index and chunk checksums are the recorded ones, read without
@@ -228,9 +202,8 @@ def _check_arrays(
     problems = []
     for array in artifact_arrays(artifact, manifest):
         where = f"{artifact.path}/{array.name}".rstrip("/")
-        path = os.path.join(root, where)
         try:
-            shape, dtype, header = array_header(path, where)
+            shape, dtype, header = array_header(root, where, where)
         except FileNotFoundError:
             continue  # reported as a missing file or folder already
         except MopdError as err:
@@ -242,7 +215,8 @@ def _check_arrays(
             problems.append(f"{where}: dtype {dtype}, the layout says {array.dtype}")
         elif part is not None and array.dtype != "string":  # a string column: zarr-python's own layout
             try:
-                check_recorded_chunks(path, where, Recorded.of(part.files, array.name, bound=True), header)
+                recorded = Recorded.of(part.files, array.name, bound=True)
+                check_recorded_chunks(root, where, where, recorded, header)
             except MopdError as err:
                 problems.append(str(err))
     return problems
@@ -370,22 +344,24 @@ def check_routing(manifest: Manifest, routing: Mapping[str, Any], teachers: Mapp
 
 
 def verify_store(
-    root: str | Path,
+    root: str | Path | Location,
     *,
+    options: Mapping[str, str] | None = None,
     teachers: Mapping[str, str] | None = None,
     routing: Mapping[str, Any] | None = None,
     checkpoint: str | Path | None = None,
     full: bool = False,
     threads: int | None = None,
 ) -> tuple[list[str], list[str]]:
-    """Checks a store, and optionally a config's teachers (alias → checkpoint) and routing (its `routing`
-    section as a mapping) and a training checkpoint against it.
+    """Checks a store (a folder or an object-storage URL, `options` its client's settings), and optionally
+    a config's teachers (alias → checkpoint) and routing (its `routing` section as a mapping) and a
+    training checkpoint against it.
 
     Returns:
         (problems, warnings): each one line; the store is sound and agrees when `problems` is empty.
     """
-    root = Path(root)
     try:
+        root = open_location(root, options)
         manifest = read_manifest(root)
     except MopdError as err:
         return [str(err)], []
@@ -393,7 +369,7 @@ def verify_store(
     warnings: list[str] = []
     problems += _check_store(root, manifest, full=full, threads=threads or HASH_THREADS)
     left = temporaries(root, (artifact.path for artifact in manifest.artifacts()))
-    warnings += [describe_temporary(root, path) for path in left]
+    warnings += [describe_temporary(root, key) for key in left]
     if teachers is not None:
         found, config_warnings = check_config(manifest, teachers)
         problems += found

@@ -1,14 +1,15 @@
 """Writing a store: N jobs publish disjoint task folders, then one finalize (DESIGN §4).
 
-A task writes under `<final>.tmp-<uuid>`, fsyncs, renames onto its final name (which it never
-pre-creates) and only then creates its part record with no-clobber semantics. A job that finds a task's
-folder already published (a requeue, a duplicated array index) compares content instead of adopting
-blindly. Readers trust only the manifest, so a half-written task is never mistaken for a finished one.
+A task writes its folder in a workspace of its own, publishes it under its final name (a folder's rename,
+which never lands on an existing one; a bucket's create-only uploads: `locations.py`) and only then
+creates its part record with no-clobber semantics. A job that finds a task's folder already published (a
+requeue, a duplicated array index) compares content instead of adopting blindly. Readers trust only the
+manifest, so a half-written task is never mistaken for a finished one.
 """
 
 from __future__ import annotations
 
-import shutil
+import hashlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,21 +19,12 @@ import numpy as np
 
 from mopd.base import faults
 from mopd.base.errors import ManifestError, StoreIntegrityError
-from mopd.base.fsio import (
-    create_exclusive,
-    file_digests,
-    probe_filesystem,
-    publish_dir,
-    safe_join,
-    sha256_file,
-    unique_temp_name,
-    write_replace,
-)
+from mopd.base.fsio import file_digests, safe_relative
 from mopd.store.arrays import ArrayAppender, create_array, write_array, write_strings
 from mopd.store.finalize import build_manifest, publish_manifest
 from mopd.store.layout import ArraySpec
+from mopd.store.locations import Location, open_location
 from mopd.store.manifest import (
-    MANIFEST_FILE,
     PARTS_DIR,
     PLAN_FILE,
     HeadInfo,
@@ -45,6 +37,9 @@ from mopd.store.manifest import (
     canonical_json,
     load_part,
     load_plan,
+    parse_part,
+    part_key,
+    read_record,
 )
 from mopd.store.temporaries import remove_stopped
 
@@ -110,59 +105,61 @@ class TaskOutput:
 class StoreWriter:
     """A store opened for writing by one job; several jobs may hold one on the same store at once."""
 
-    def __init__(self, root: Path, plan: Plan) -> None:
-        self.root = root
+    def __init__(self, location: Location, plan: Plan) -> None:
+        self.location = location
+        self.root = location.url
         self.plan = plan
         self.identity = plan.identity()
         self._tasks = {task.task_id: task for task in plan.tasks}
         self.published = False  # whether this writer's finalize published the manifest (not a racing one)
-        self.removed: list[Path] = []  # temporaries of stopped jobs removed on opening
+        self.removed: list[str] = []  # temporaries of stopped jobs removed on opening
 
     @classmethod
-    def open(cls, root: str | Path, plan: Plan) -> StoreWriter:
+    def open(
+        cls, root: str | Path | Location, plan: Plan, options: dict[str, str] | None = None
+    ) -> StoreWriter:
         """Creates the store, or joins it if it was created with the same plan.
+
+        Args:
+            root: a folder, an object-storage URL (`options`: its client's settings) or a `Location`.
 
         Raises:
             ManifestError: the path holds a store of another dataset, teacher set or config.
-            FilesystemError: the filesystem cannot give the commit protocol's guarantees.
+            FilesystemError: the filesystem or bucket cannot give the commit protocol's guarantees.
         """
-        root = Path(root)
-        root.mkdir(parents=True, exist_ok=True)
-        probe_filesystem(root)
-        writer = cls(root, plan)
-        plan_path = root / PLAN_FILE
-        if not create_exclusive(plan_path, canonical_json(plan.model_dump(mode="json"))):
-            existing = load_plan(plan_path)
+        location = open_location(root, options)
+        location.prepare()
+        writer = cls(location, plan)
+        if not location.create_exclusive(PLAN_FILE, canonical_json(plan.model_dump(mode="json"))):
+            existing = load_plan(location)
             if existing.identity() != writer.identity:
-                raise ManifestError(_describe_plan_mismatch(root, existing, plan))
-        (root / PARTS_DIR).mkdir(exist_ok=True)
+                raise ManifestError(_describe_plan_mismatch(location.url, existing, plan))
         writer._create_groups()
-        writer.removed = remove_stopped(root, (task.path for task in plan.tasks))
+        writer.removed = remove_stopped(location, (task.path for task in plan.tasks))
         return writer
 
     def _create_groups(self) -> None:
         # Every version of a group's zarr.json is identical, so concurrent jobs may each write it.
         folders = {parent for task in self.plan.tasks for parent in Path(task.path).parents}
         for folder in sorted(folders):
-            target = self.root / folder
-            target.mkdir(parents=True, exist_ok=True)
-            if not (target / "zarr.json").exists():
-                write_replace(target / "zarr.json", _GROUP_JSON)
+            key = "zarr.json" if folder == Path(".") else f"{folder.as_posix()}/zarr.json"
+            self.location.write_same(key, _GROUP_JSON)
 
-    def part_path(self, task_id: str) -> Path:
-        return self.root / PARTS_DIR / f"{task_id}.json"
+    def part_path(self, task_id: str) -> str:
+        """Where messages say a task's part record is."""
+        return self.location.describe(part_key(task_id))
 
     def done_tasks(self) -> set[str]:
         """Ids of tasks whose part record exists (each checked to belong to this plan)."""
+        listed = {name.removesuffix(".json") for name in self.location.names(PARTS_DIR)}
         done = set()
         for task_id in self._tasks:
-            path = self.part_path(task_id)
-            if path.exists():
-                self._check_part(load_part(path), path)
+            if task_id in listed:
+                self._check_part(load_part(self.location, task_id), self.part_path(task_id))
                 done.add(task_id)
         return done
 
-    def _check_part(self, part: PartRecord, path: Path) -> None:
+    def _check_part(self, part: PartRecord, path: str) -> None:
         if part.identity != self.identity:
             raise ManifestError(
                 f"{path} was written for another plan (identity {part.identity[:12]}, this job's is "
@@ -177,9 +174,8 @@ class StoreWriter:
         published.
         """
         spec = self._tasks[task_id]
-        final = safe_join(self.root, spec.path)
-        temp = unique_temp_name(final)
-        temp.mkdir(parents=True)
+        final = safe_relative(spec.path)
+        temp = self.location.workspace(final)
         output = TaskOutput(spec, temp, self.plan.storage)
         try:
             yield output
@@ -188,28 +184,28 @@ class StoreWriter:
                 (temp / "zarr.json").write_bytes(_GROUP_JSON)
             faults.point("task-written")
             files = file_digests(temp)
-            published = publish_dir(temp, final, what="task")
+            published = self.location.publish(temp, final, what="task", record=part_key(spec.task_id))
         except BaseException:
-            # The folder is this call's alone, and a rename either happened or did not: safe to remove.
-            shutil.rmtree(temp, ignore_errors=True)
+            # The workspace is this call's alone, and publishing either happened or did not: safe to remove.
+            self.location.discard(temp)
             raise
         self._record(output, files, published, final)
 
     def _record(
-        self, output: TaskOutput, files: dict[str, tuple[int, str]], published: bool, final: Path
+        self, output: TaskOutput, files: dict[str, tuple[int, str]], published: bool, final: str
     ) -> None:
         spec, temp = output.spec, output.folder
         if not published:
             # Another job published this task first. Same bytes: adopt its folder. Otherwise refuse,
             # and leave both folders for a person to inspect (never clean up on doubt).
-            theirs = file_digests(final)
-            if theirs != files:
+            if self.location.digests(final) != files:
+                kept = f" (left {temp} for inspection)" if temp.exists() else ""
                 raise StoreIntegrityError(
-                    f"task {spec.task_id}: {final} is already published with different content than this "
-                    f"job computed (left {temp} for inspection); if no other job is writing this store, "
-                    "remove both and rerun"
+                    f"task {spec.task_id}: {self.location.describe(final)} is already published with "
+                    f"different content than this job computed{kept}; if no other job is writing this "
+                    "store, remove both and rerun"
                 )
-            shutil.rmtree(temp)
+            self.location.discard(temp)
         part = PartRecord(
             task_id=spec.task_id,
             identity=self.identity,
@@ -221,8 +217,9 @@ class StoreWriter:
             head=output.head,
         )
         path = self.part_path(spec.task_id)
-        if not create_exclusive(path, canonical_json(part.model_dump(mode="json")), what="part"):
-            existing = load_part(path)
+        record = canonical_json(part.model_dump(mode="json"))
+        if not self.location.create_exclusive(part_key(spec.task_id), record, what="part"):
+            existing = load_part(self.location, spec.task_id)
             self._check_part(existing, path)
             if existing.hash != part.hash:
                 raise StoreIntegrityError(f"{path} records hash {existing.hash}, this job wrote {part.hash}")
@@ -235,16 +232,19 @@ class StoreWriter:
         """
         if self.done_tasks() != set(self._tasks):
             return None
-        parts = {task_id: load_part(self.part_path(task_id)) for task_id in self._tasks}
-        part_hashes = {task_id: sha256_file(self.part_path(task_id)) for task_id in self._tasks}
+        records = {
+            task_id: read_record(self.location, part_key(task_id), "part record") for task_id in self._tasks
+        }
+        parts = {task_id: parse_part(data, self.part_path(task_id)) for task_id, data in records.items()}
+        part_hashes = {task_id: hashlib.sha256(data).hexdigest() for task_id, data in records.items()}
         manifest = build_manifest(
-            self.root, self.plan, parts, part_hashes, created_by=created_by, volatile=volatile
+            self.location, self.plan, parts, part_hashes, created_by=created_by, volatile=volatile
         )
-        manifest, self.published = publish_manifest(self.root / MANIFEST_FILE, manifest)
+        manifest, self.published = publish_manifest(self.location, manifest)
         return manifest
 
 
-def _describe_plan_mismatch(root: Path, existing: Plan, new: Plan) -> str:
+def _describe_plan_mismatch(root: str, existing: Plan, new: Plan) -> str:
     differences = []
     if existing.format_version != new.format_version:
         differences.append(

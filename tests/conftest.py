@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.object_store import S3Server
 from tests.store.synthetic import StoreSpec, build_store, make_checkpoint
 from tests.train.world import World, build_world
 
@@ -75,3 +77,20 @@ def small_store(small_spec: StoreSpec) -> StoreSpec:
 def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     """Two tiny teachers, a student and four precomputed stores (see tests/train/world.py)."""
     return build_world(tmp_path_factory.mktemp("distill"))
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """A local S3 server (moto) for the session."""
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket's `s3://` URL, with the `AWS_*` variables (this process's and its children's)
+    pointing at the local server."""
+    for name, value in s3_server.environment().items():
+        monkeypatch.setenv(name, value)
+    return s3_server.bucket()

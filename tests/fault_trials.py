@@ -22,7 +22,9 @@ from typing import Any
 import yaml
 
 from mopd.base.fsio import file_digests, is_temporary
+from mopd.store.locations import open_location
 from mopd.store.manifest import MANIFEST_FILE
+from mopd.store.provenance import INGEST_DIR, INGEST_RECORD
 from mopd.train.metrics import METRICS_FILE, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,20 +56,28 @@ def cli(args: list[str], *, fault: str | None = None, timeout: float = 300) -> s
     )
 
 
-def store_contents(store: Path) -> dict[str, Any]:
-    """Every file's (size, sha256), temporaries left out; the manifest without its volatile fields."""
+def store_contents(store: Path | str, *, ingest_cache: bool = True) -> dict[str, Any]:
+    """Every file's (size, sha256), temporaries left out; the manifest without its volatile fields.
+
+    Args:
+        ingest_cache: keep the tokenised rows a store on disk holds under `ingest/` (a store in a bucket
+            holds only their records; the rows stay on the machine that tokenised them).
+    """
+    location = open_location(store)
     digests: dict[str, Any] = {
         path: value
-        for path, value in file_digests(store).items()
-        if not any(is_temporary(part) for part in path.split("/")) and path != MANIFEST_FILE
+        for path, value in location.digests("").items()
+        if not any(is_temporary(part) for part in path.split("/"))
+        and path != MANIFEST_FILE
+        and (ingest_cache or not path.startswith(f"{INGEST_DIR}/") or path.endswith(f"/{INGEST_RECORD}"))
     }
-    manifest = json.loads((store / MANIFEST_FILE).read_text())
+    manifest = json.loads(location.read_record(MANIFEST_FILE, "manifest", limit=1 << 26))
     manifest.pop("volatile")
     digests[MANIFEST_FILE] = json.dumps(manifest, sort_keys=True)
     return digests
 
 
-def stored_rows(store: Path) -> list[int]:
+def stored_rows(store: Path | str) -> list[int]:
     """Every row id the store's shards hold, with repeats (0 lost and 0 duplicated: each row once)."""
     from mopd.store import open_store
     from mopd.store.layout import ROW_IDS
@@ -83,11 +93,11 @@ class Outcome:
     detail: str = ""
 
 
-def precompute_args(config: Path, store: Path, *extra: str) -> list[str]:
+def precompute_args(config: Path, store: Path | str, *extra: str) -> list[str]:
     return ["precompute", str(config), "--store", str(store), *extra]
 
 
-def precompute_in_process(config: Path, store: Path) -> tuple[int, str]:
+def precompute_in_process(config: Path, store: Path | str) -> tuple[int, str]:
     """`mopd precompute` in this process (no interpreter start-up): (exit code, stderr)."""
     from click.testing import CliRunner
 
@@ -98,7 +108,7 @@ def precompute_in_process(config: Path, store: Path) -> tuple[int, str]:
 
 
 def finish_and_compare(
-    trial: str, config: Path, store: Path, reference: dict[str, Any], *, in_process: bool = False
+    trial: str, config: Path, store: Path | str, reference: dict[str, Any], *, in_process: bool = False
 ) -> Outcome:
     """Reruns the precompute without faults and compares the store with the reference."""
     if in_process:
@@ -125,7 +135,13 @@ def kill_at_point(config: Path, store: Path, point: str, k: int, reference: dict
 
 
 def kill_at_random(
-    config: Path, store: Path, rng: random.Random, seconds: float, ref: dict[str, Any]
+    config: Path,
+    store: Path | str,
+    rng: random.Random,
+    seconds: float,
+    ref: dict[str, Any],
+    *,
+    in_process: bool = False,
 ) -> Outcome:
     """SIGKILL after a random moment within the run's usual duration, then rerun."""
     delay = rng.uniform(0.2, seconds)
@@ -138,10 +154,10 @@ def kill_at_random(
     time.sleep(delay)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
-    return finish_and_compare(f"sigkill after {delay:.2f} s", config, store, ref)
+    return finish_and_compare(f"sigkill after {delay:.2f} s", config, store, ref, in_process=in_process)
 
 
-def two_jobs_at_once(config: Path, store: Path, reference: dict[str, Any]) -> Outcome:
+def two_jobs_at_once(config: Path, store: Path | str, reference: dict[str, Any]) -> Outcome:
     """Two jobs started together on the same tasks (a requeue, a duplicated array index): each task is
     published once, one manifest, which only the job that published it says it wrote; the reference
     store."""
@@ -207,7 +223,7 @@ def published_folders_complete(store: Path, reference: dict[str, Any]) -> bool:
 
     if not (store / "_plan.json").exists():
         return True
-    for task in load_plan(store / "_plan.json").tasks:
+    for task in load_plan(store).tasks:
         if (store / task.path).exists():
             found = {f"{task.path}/{rel}": value for rel, value in file_digests(store / task.path).items()}
             expected = {p: v for p, v in reference.items() if p.startswith(task.path + "/")}
@@ -271,6 +287,17 @@ def io_error_in_checkpoint(
     if train_in_process(config, run)[0] != 0:
         return Outcome(trial, False, "the resumed run failed")
     return compare_runs(trial, run, whole)
+
+
+def two_teacher_config(root: Path, tiny_teachers: dict[str, Path]) -> Path:
+    """A config of two teachers (the tiny llama and qwen2) over 12 rows, 3 rows per task: 8 tasks."""
+    from tests.precompute.teachers import mixed_records, write_jsonl
+
+    records = [{**r, "agent": "math" if i % 3 else "code"} for i, r in enumerate(mixed_records(12))]
+    data = write_jsonl(root / "d.jsonl", records)
+    return write_precompute_config(
+        root, {"math": tiny_teachers["llama"], "code": tiny_teachers["qwen2"]}, data
+    )
 
 
 def write_precompute_config(root: Path, teachers: dict[str, Path], data: Path) -> Path:

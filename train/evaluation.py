@@ -22,7 +22,9 @@ def evaluate_student(config: MopdConfig, *, store_path: str | Path, log: Log = p
     Builds a session only: no optimiser, no data order, no optimiser state loaded.
     """
     with open_session(config, store_path=store_path, log=log) as session:
-        check_store(config, session.store.manifest, session.store.root, world=session.world, log=session.log)
+        check_store(
+            config, session.store.manifest, session.store.location, world=session.world, log=session.log
+        )
         init = session.config.init_from
         if init is not None:
             found = init_checkpoint(init, layout=session.student.layout, world=session.world)

@@ -132,7 +132,7 @@ def open_session(config: MopdConfig, *, store_path: str | Path | None = None, lo
         world = exits.enter_context(RankGroup.from_environment(device, always=tc.backend == "fsdp"))
         log = log if world.rank == 0 else _silent
         torch.manual_seed(tc.seed)
-        store = open_store(store_path or config.store.path)
+        store = open_store(store_path or config.store.path, config.store.options)
         manifest = store.manifest
         log(
             f"store {store.root}: {store.num_rows:,} rows, {manifest.dataset.num_tokens:,} tokens, "

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mopd.base.errors import ConfigError
 from mopd.config.mopd_config import MopdConfig
+from mopd.store.locations import Location
 from mopd.store.manifest import Manifest
 from mopd.store.provenance import recorded_source, same_source
 from mopd.store.verify import check_config, check_routing
@@ -27,7 +28,7 @@ def store_differences(config: MopdConfig, manifest: Manifest) -> tuple[list[str]
     return problems, warnings
 
 
-def data_differences(config: MopdConfig, manifest: Manifest, root: Path) -> list[str]:
+def data_differences(config: MopdConfig, manifest: Manifest, root: Location) -> list[str]:
     """Each data setting of the config that differs from those the store was built with."""
     data, recorded = config.data, manifest.config.get("data", {})
     found = []
@@ -44,7 +45,7 @@ def data_differences(config: MopdConfig, manifest: Manifest, root: Path) -> list
 
 
 def check_store(
-    config: MopdConfig, manifest: Manifest, root: Path, *, world: RankGroup, log: Callable[[str], None]
+    config: MopdConfig, manifest: Manifest, root: Location, *, world: RankGroup, log: Callable[[str], None]
 ) -> None:
     """Refuses a store precomputed for other teachers or routing than `config`'s, and warns once of data
     settings that differ. Rank 0 checks (fingerprinting reads every teacher's weights once); every rank
@@ -62,14 +63,14 @@ def check_store(
         log(f"warning: {warning}")
     if problems:
         raise ConfigError(
-            f"the store {root} was precomputed for other teachers or routing than this config:\n  "
+            f"the store {root.url} was precomputed for other teachers or routing than this config:\n  "
             + "\n  ".join(problems)
             + "\nrun `mopd precompute` with this config (into a new store.path), or train with the config "
             "that built the store"
         )
     if data:
         log(
-            f"warning: the store {root} was built with other data settings than this config ("
+            f"warning: the store {root.url} was built with other data settings than this config ("
             + "; ".join(data)
             + "); the store, not the config, is what trains"
         )

@@ -371,7 +371,7 @@ class Trainer:
 
     def _run(self, resume: bool | None, max_steps: int | None) -> TrainResult:
         point = self._resume_point(resume)
-        check_store(self.config, self.store.manifest, self.store.root, world=self.world, log=self.log)
+        check_store(self.config, self.store.manifest, self.store.location, world=self.world, log=self.log)
         if point is None:
             self.start_from()
         first = (point.step if point else 0) + 1

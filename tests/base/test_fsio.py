@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from mopd.base.errors import FilesystemError, ManifestError
-from mopd.base.fsio import SafePaths, create_exclusive, probe_filesystem, publish_dir, safe_join
+from mopd.base.errors import FilesystemError, ManifestError, StoreIntegrityError
+from mopd.base.fsio import create_exclusive, probe_filesystem, publish_dir, safe_relative
+from mopd.store.locations import Folder
 
 
 def test_create_exclusive_never_overwrites(tmp_path: Path) -> None:
@@ -45,18 +46,23 @@ def test_probe_names_filesystem_when_rename_overwrites(
         probe_filesystem(tmp_path)
 
 
-@pytest.mark.parametrize("many", [False, True], ids=["safe_join", "SafePaths"])
-def test_safe_join_refuses_escapes(tmp_path: Path, many: bool) -> None:
+def test_record_paths_stay_inside_the_store_and_no_link_is_followed(tmp_path: Path) -> None:
+    """A path a record holds is relative and has no `..`; a store is read without following a link,
+    whether it stays inside the store or leads out of it."""
+    assert safe_relative("teachers/0") == "teachers/0"
+    for bad in ("../outside", "/etc/passwd", "a/../../b", "~/x"):
+        with pytest.raises(ManifestError, match="must be relative"):
+            safe_relative(bad)
     root = tmp_path / "store"
     (root / "a" / "b").mkdir(parents=True)
-    join = SafePaths(root).join if many else lambda relative: safe_join(root, relative)
-    assert join("teachers/0") == root / "teachers" / "0"
-    for bad in ("../outside", "/etc/passwd", "a/../../b"):
-        with pytest.raises(ManifestError, match="must be relative"):
-            join(bad)
+    (root / "a" / "b" / "f").write_bytes(b"data")
     os.symlink(root / "a", root / "inside")
-    assert join("inside/b") == root / "inside" / "b"  # a link that stays in the store
-    os.symlink(tmp_path, root / "a" / "link")
-    join("a/b")  # its parents checked once, the link below them is still found
-    with pytest.raises(ManifestError, match="leads outside the store"):
-        join("a/link/x")
+    os.symlink(tmp_path, root / "a" / "out")
+    folder = Folder(root)
+    assert folder.read("a/b/f", "f", limit=10) == b"data"
+    for linked in ("inside/b/f", "a/out/store/a/b/f"):
+        with pytest.raises(StoreIntegrityError, match="symbolic link"):
+            folder.read(linked, linked, limit=10)
+    os.symlink(root / "a" / "b" / "f", root / "a" / "b" / "g")
+    with pytest.raises(StoreIntegrityError, match="symbolic link"):
+        folder.stat("a/b/g", "g")

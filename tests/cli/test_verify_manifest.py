@@ -48,16 +48,16 @@ def test_clean_store_passes(small_store: StoreSpec) -> None:
     assert json.loads(verify(small_store.root, "--json").stdout) == []
 
 
-def test_store_locations_are_folders(small_store: StoreSpec) -> None:
-    """A file:// URL names the folder; an object-storage URL is refused with the reason, not read as a
-    local folder `s3:/bucket/x`."""
+def test_store_locations(small_store: StoreSpec) -> None:
+    """A file:// URL names the folder; a URL of a scheme mopd does not read is refused with the reason,
+    not read as a local folder `hdfs:/host/x`. (Buckets: tests/store/test_object_store.py.)"""
     assert verify(Path(small_store.root).as_uri(), "--full").exit_code == 0
     for command in (["verify-manifest"], ["inspect"]):
-        refused = CliRunner().invoke(cli, [*command, "s3://bucket/teachers.zarr"])
+        refused = CliRunner().invoke(cli, [*command, "hdfs://host/teachers.zarr"])
         assert refused.exit_code == 2
         said = " ".join(refused.stderr.split())
-        assert "s3://bucket/teachers.zarr: a store is a folder on a local or shared filesystem" in said
-        assert "does not read or write s3:// object storage" in said
+        assert "hdfs://host/teachers.zarr: a store is a path, a file:// URL or an object-storage URL" in said
+        assert "mopd does not know hdfs://" in said
 
 
 def test_flipped_byte_found_by_full_only(small_store: StoreSpec) -> None:
@@ -273,6 +273,7 @@ def test_folders_checked_in_several_processes_find_what_one_process_finds(
     """Large stores split the folder checks over processes: the same problems, in the same order, and
     the same files to hash, as one process; also from a caller with threads running (whose children
     start from a fork server)."""
+    from mopd.store.locations import Folder
     from mopd.store.manifest import read_manifest
     from mopd.store.verify import _folder_checks
 
@@ -287,13 +288,13 @@ def test_folders_checked_in_several_processes_find_what_one_process_finds(
         done = list(blocks)
         return [p for found, _ in done for p in found], [f for _, files in done for f in files]
 
-    one = checked(_folder_checks(root, manifest))
+    one = checked(_folder_checks(Folder(root), manifest))
     release = threading.Event()
     running = [threading.Thread(target=release.wait) for _ in range(caller_threads)]
     for thread in running:
         thread.start()
     try:
-        several = checked(_folder_checks(root, manifest, parallel_from=1, per_block=1))
+        several = checked(_folder_checks(Folder(root), manifest, parallel_from=1, per_block=1))
     finally:
         release.set()
     for thread in running:

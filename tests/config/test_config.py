@@ -30,13 +30,23 @@ def test_defaults_and_relative_paths(tmp_path: Path) -> None:
     assert config.agent_to_alias() == {"math": "math", "code": "code"}
 
 
-def test_store_path_is_a_folder(tmp_path: Path) -> None:
+def test_store_path_is_a_folder_or_a_bucket(tmp_path: Path) -> None:
+    """A file:// URL is its folder, resolved like any path; a bucket URL is kept as written, with its
+    client's settings beside it, never its credentials; another scheme is refused naming it."""
     folder = tmp_path / "stores" / "x.zarr"
     config = load_config(write(tmp_path, BASE + f"store: {{path: '{folder.as_uri()}'}}\n"))
     assert config.store.path == str(folder)
-    refused = r"store.path.*gs://b/x.zarr: a store is a folder on a local or shared filesystem"
+    bucket = "store: {path: 's3://team-bucket/x.zarr/', options: {region: eu-west-1}}\n"
+    config = load_config(write(tmp_path, BASE + bucket))
+    assert (config.store.path, config.store.options) == ("s3://team-bucket/x.zarr", {"region": "eu-west-1"})
+    secret = "store: {path: 's3://team-bucket/x', options: {aws_secret_access_key: k}}\n"
+    with pytest.raises(ConfigError, match=r"store.options.*aws_secret_access_key: credentials do not belong"):
+        load_config(write(tmp_path, BASE + secret))
+    refused = r"store.path.*hdfs://b/x.zarr: a store is a path, a file:// URL or an object-storage URL"
     with pytest.raises(ConfigError, match=refused):
-        load_config(write(tmp_path, BASE + "store: {path: 'gs://b/x.zarr'}\n"))
+        load_config(write(tmp_path, BASE + "store: {path: 'hdfs://b/x.zarr'}\n"))
+    with pytest.raises(ConfigError, match=r"s3://x: name the bucket"):
+        load_config(write(tmp_path, BASE + "store: {path: 's3://x'}\n"))
 
 
 def test_duplicate_key_is_an_error(tmp_path: Path) -> None:

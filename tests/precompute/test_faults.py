@@ -23,9 +23,8 @@ from tests.fault_trials import (
     racing_finalizers,
     store_contents,
     two_jobs_at_once,
-    write_precompute_config,
+    two_teacher_config,
 )
-from tests.precompute.teachers import mixed_records, write_jsonl
 from tests.small_fs import full_disk_error, small_filesystem
 
 pytestmark = pytest.mark.slow
@@ -37,11 +36,7 @@ def setup(
 ) -> tuple[Path, dict[str, Any]]:
     """A config (two teachers, 12 rows, 3 rows per task: 8 tasks) and its uninterrupted store."""
     root = tmp_path_factory.mktemp("faults")
-    records = [{**r, "agent": "math" if i % 3 else "code"} for i, r in enumerate(mixed_records(12))]
-    data = write_jsonl(root / "d.jsonl", records)
-    config = write_precompute_config(
-        root, {"math": tiny_teachers["llama"], "code": tiny_teachers["qwen2"]}, data
-    )
+    config = two_teacher_config(root, tiny_teachers)
     reference = root / "reference.zarr"
     done = cli(precompute_args(config, reference))
     assert done.returncode == 0, done.stderr
@@ -151,7 +146,7 @@ def test_a_damaged_manifest_says_how_to_rebuild_it_and_that_rebuilds_it(
     config, reference = setup
     store = Path(shutil.copytree(config.parent / "reference.zarr", tmp_path / "store.zarr"))
     manifest = store / MANIFEST_FILE
-    original = load_manifest(manifest)
+    original = load_manifest(store)
     manifest.write_bytes(manifest.read_bytes()[:100])
     verify = cli(["verify-manifest", str(store)])
     assert (
@@ -160,5 +155,5 @@ def test_a_damaged_manifest_says_how_to_rebuild_it_and_that_rebuilds_it(
     manifest.unlink()
     code, stderr = precompute_in_process(config, store)
     assert code == 0 and "computed 0 tasks" in stderr, stderr
-    assert load_manifest(manifest).stable_dict() == original.stable_dict()
+    assert load_manifest(store).stable_dict() == original.stable_dict()
     assert store_contents(store) == reference

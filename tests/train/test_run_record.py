@@ -14,7 +14,7 @@ from mopd.base.errors import CheckpointError
 from mopd.cli.main import cli
 from mopd.config.mopd_config import EFFECTIVE_CONFIG_FILE, load_config
 from mopd.store import open_store
-from mopd.store.manifest import PLAN_FILE, load_plan
+from mopd.store.manifest import load_plan
 from mopd.train.checkpoint import complete_checkpoints
 from mopd.train.metrics import METRICS_FILE, read_metrics
 from mopd.train.run_record import RESUMABLE, diff_run_records, run_record
@@ -183,7 +183,7 @@ def test_precompute_records_its_overrides_in_the_plan(world: World, tmp_path: Pa
     assert (
         ran := CliRunner().invoke(cli, [*first, "--num-tasks", "2", "--task-index", "0"])
     ).exit_code == 0, ran.output
-    plan = load_plan(store / PLAN_FILE)
+    plan = load_plan(store)
     assert plan.created_with["precompute"]["batch_tokens"] == 512
     assert plan.created_with["store"]["path"] == str(store)
     assert (
@@ -194,4 +194,4 @@ def test_precompute_records_its_overrides_in_the_plan(world: World, tmp_path: Pa
     )
     second = [*first[:-1], "precompute.batch_tokens=256", "--num-tasks", "2", "--task-index", "1"]
     assert (joined := CliRunner().invoke(cli, second)).exit_code == 0, joined.output
-    assert open_store(store).num_rows == 64 and load_plan(store / PLAN_FILE) == plan  # written once
+    assert open_store(store).num_rows == 64 and load_plan(store) == plan  # written once
