@@ -24,6 +24,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
@@ -329,14 +330,17 @@ class Folder(Location):
         return self.root
 
 
-_REQUESTS: ThreadPoolExecutor | None = None
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
 
 
-def _requests() -> ThreadPoolExecutor:
-    global _REQUESTS
-    if _REQUESTS is None:
-        _REQUESTS = ThreadPoolExecutor(max_workers=REQUESTS_IN_FLIGHT, thread_name_prefix="mopd-requests")
-    return _REQUESTS
+def shared_pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """The process's thread pool `name` (made on first use). Each kind of work has its own, so that work
+    in one pool never waits on a pool its own tasks fill."""
+    with _POOLS_LOCK:
+        if name not in _POOLS:
+            _POOLS[name] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"mopd-{name}")
+        return _POOLS[name]
 
 
 def merged(ranges: Sequence[tuple[int, int]], gap: int = MERGE_GAP) -> list[tuple[int, int, list[int]]]:
@@ -430,7 +434,11 @@ class Bucket(Location):
         spans = merged(ranges, gap)
         if not spans:
             return []
-        fetched = list(_requests().map(fetch, spans)) if len(spans) > 1 else [fetch(spans[0])]
+        fetched = (
+            list(shared_pool("requests", REQUESTS_IN_FLIGHT).map(fetch, spans))
+            if len(spans) > 1
+            else [fetch(spans[0])]
+        )
         out = [b""] * len(ranges)
         for (start, _stop, inside), data in zip(spans, fetched, strict=True):
             for k in inside:

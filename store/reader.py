@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -26,7 +27,7 @@ from mopd.base.fsio import safe_relative
 from mopd.store.chunks import ArrayReader
 from mopd.store.files import Recorded
 from mopd.store.layout import HIDDEN, INPUT_IDS, LOSS_MASK, OFFSETS, ROW_IDS, TEACHER_INDEX
-from mopd.store.locations import Location, open_location
+from mopd.store.locations import Location, open_location, shared_pool
 from mopd.store.manifest import (
     BOUND_FROM_VERSION,
     PartRecord,
@@ -47,6 +48,15 @@ UNBOUND_NOTE = (
     "store format {version} does not list its chunks' checksums: a file of the same size copied in from "
     "another store is found only by `mopd verify-manifest --full`; rebuild the store for bound reads"
 )
+
+
+# Arrays read at once by one call of `rows` or `hiddens`: a step's shards are read concurrently, so that
+# a store in a bucket costs a step about one round trip per array, not one per shard in turn.
+_ARRAYS_IN_FLIGHT = 16
+
+
+def _fanout() -> ThreadPoolExecutor:
+    return shared_pool("arrays", _ARRAYS_IN_FLIGHT)
 
 
 @dataclass(frozen=True)
@@ -181,7 +191,7 @@ class TeacherStore:
         indices = self._checked(indices)
         input_ids, loss_mask, teacher_index = self._row_arrays
         starts, stops = self._offsets[indices], self._offsets[indices + 1]
-        ids, mask = input_ids.gather(starts, stops), loss_mask.gather(starts, stops)
+        ids, mask = _fanout().map(lambda array: array.gather(starts, stops), (input_ids, loss_mask))
         cuts = np.cumsum(stops - starts)[:-1]
         return [
             Row(
@@ -227,12 +237,15 @@ class TeacherStore:
         if orphans.size:
             raise StoreIntegrityError(f"row {int(orphans[0])} is in no shard of the manifest")
         out: list[torch.Tensor] = [torch.empty(0)] * indices.shape[0]
-        for k in np.unique(shard_of[indices]).tolist():
+
+        def read(k: int) -> tuple[np.ndarray, list[torch.Tensor]]:
             where = np.flatnonzero(shard_of[indices] == k)
             rows = indices[where]
             hidden = self._array(self.manifest.shards[k].path, HIDDEN)
             states = from_storage(hidden.gather(starts[rows], stops[rows]), hidden.logical_dtype)
-            parts = states.split((stops - starts)[rows].tolist())
+            return where, list(states.split((stops - starts)[rows].tolist()))
+
+        for where, parts in _fanout().map(read, np.unique(shard_of[indices]).tolist()):
             for position, part in zip(where.tolist(), parts, strict=True):
                 out[position] = part
         return out
