@@ -5,6 +5,7 @@ a missing, replaced or altered object by name."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -14,9 +15,11 @@ import obstore
 import pytest
 import torch
 from botocore.exceptions import ClientError
+from click.testing import CliRunner
 
 from mopd.base.errors import FilesystemError, StoreIntegrityError
-from mopd.store import open_store
+from mopd.cli.main import cli
+from mopd.store import chunks, open_store
 from mopd.store.chunks import clear_cache
 from mopd.store.layout import HIDDEN
 from mopd.store.locations import Bucket, merged, open_location
@@ -185,3 +188,47 @@ def test_close_ranges_share_a_request() -> None:
         (5000, 5010, [0]),
         (3 << 20, (3 << 20) + 4, [3]),
     ]
+
+
+def test_a_steps_chunks_of_one_shard_come_in_one_request(
+    small_spec: StoreSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The inner chunks a read needs from one shard lie within 1 MiB: one GET fetches them all, however
+    many they are (counted at a proxy in front of the server)."""
+    counted = S3Server(delay=1e-4)
+    try:
+        for name, value in counted.environment().items():
+            monkeypatch.setenv(name, value)
+        spec = dataclasses.replace(small_spec, root=f"{counted.bucket()}/teachers.zarr", chunk_bytes=512)
+        build_store(spec)
+        clear_cache()
+        store = open_store(spec.root)
+        shard_of = store._row_locations[0]
+        rows = np.flatnonzero(shard_of == 0)
+        store.hidden(int(rows[0]))  # the shard's header, checksum list and index, read once
+        chunks._CACHE.clear()
+        decoded: list[int] = []
+        original = chunks.ArrayReader._decode
+        monkeypatch.setattr(
+            chunks.ArrayReader,
+            "_decode",
+            lambda self, i, *data: decoded.append(i) or original(self, i, *data),
+        )
+        before = counted.requests
+        store.hiddens(rows)
+        assert counted.requests - before == 1 and len(decoded) >= 3
+    finally:
+        counted.stop()
+
+
+def test_verify_manifest_and_inspect_take_a_bucket(small_spec: StoreSpec, s3_bucket: str) -> None:
+    remote = in_bucket(small_spec, s3_bucket)
+    build_store(remote)
+    verified = CliRunner().invoke(cli, ["verify-manifest", remote.root, "--full"])
+    assert verified.exit_code == 0 and verified.stdout.startswith(f"ok: {remote.root} is complete")
+    inspected = CliRunner().invoke(cli, ["inspect", remote.root, "--json"])
+    assert inspected.exit_code == 0, inspected.output
+    summary = json.loads(inspected.stdout)
+    assert summary["path"] == remote.root and summary["rows"] == len(small_spec.lengths)
+    missing = CliRunner().invoke(cli, ["verify-manifest", f"{s3_bucket}/nothing.zarr"])
+    assert missing.exit_code == 1 and f"store {s3_bucket}/nothing.zarr does not exist" in missing.stdout
