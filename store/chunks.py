@@ -15,7 +15,8 @@ all-zero chunks that format 1 did not write (`fill_missing`).
 
 Given the array's part record (`files.Recorded`), a reader also proves that what it decodes is the file
 the store recorded: its `zarr.json` has the recorded sha256, its shard the recorded size and (format 4)
-every chunk the checksum listed beside the shard (see `files.py`). It never follows a symbolic link.
+every chunk the checksum listed beside the shard (see `files.py`). A read of a shard's inner chunks is
+one `Location.read_ranges`: one request on a bucket where they lie close together.
 """
 
 from __future__ import annotations
@@ -396,10 +397,7 @@ class ArrayReader:
         key = (self.location.url, self.key, index, *found.identity)
         chunk = _CACHE.get(key)
         if chunk is None:
-            try:
-                data = self.location.read(join(self.key, name), where, limit=found.size, found=found)
-            except FileNotFoundError:
-                raise StoreIntegrityError(f"{where} is missing") from None
+            data = self._read(name, where, found.size, 0, found)
             chunk = self._decode(index, data, where)
             _CACHE.put(key, chunk)
         return chunk
@@ -440,7 +438,8 @@ class ArrayReader:
             _INDEXES.put(key, entries)
         return name, found.identity, entries
 
-    def _read(self, name: str, where: str, limit: int, offset: int, found: Found | None) -> bytes:
+    def _read(self, name: str, where: str, limit: int, offset: int, found: Found) -> bytes:
+        """`limit` bytes of the array's file `name` from `offset`, still the version `found`."""
         try:
             return self.location.read(join(self.key, name), where, limit=limit, offset=offset, found=found)
         except FileNotFoundError:

@@ -12,9 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 from mopd.cli.main import cli
+from mopd.store.bucket import Bucket
 from mopd.store.chunks import clear_cache
+from mopd.store.folder import Folder
 from mopd.store.layout import HIDDEN
-from mopd.store.locations import Bucket, Folder
 from mopd.store.manifest import load_manifest
 from mopd.train.trainer import run_training
 from tests.fault_trials import train_records
