@@ -24,7 +24,7 @@ from typing import Any, cast
 from mopd.base import faults
 from mopd.base.errors import ConfigError, FilesystemError, StoreIntegrityError
 from mopd.base.fsio import is_temporary, sha256_file
-from mopd.store.locations import MERGE_GAP, REQUESTS_IN_FLIGHT, Found, Location, merged, shared_pool
+from mopd.store.locations import REQUESTS_IN_FLIGHT, Found, Location, merged, shared_pool
 
 _HASH_BLOCK = 8 << 20
 
@@ -35,7 +35,7 @@ class Bucket(Location):
     `AWS_REGION`, `AWS_ACCESS_KEY_ID`…, or `GOOGLE_…` for gs://) and from `options` (obstore's settings,
     e.g. `endpoint`, `region`, `allow_http`)."""
 
-    stat_each_read = False
+    remote = True
 
     def __init__(self, url: str, options: Mapping[str, str] | None = None) -> None:
         self.url = url
@@ -76,7 +76,6 @@ class Bucket(Location):
         ranges: Sequence[tuple[int, int]],
         *,
         found: Found | None = None,
-        gap: int = MERGE_GAP,
     ) -> list[bytes]:
         import obstore
         from obstore.exceptions import PreconditionError
@@ -102,7 +101,7 @@ class Bucket(Location):
                     return b""
                 raise self._errors(err, where) from err
 
-        spans = merged(ranges, gap)
+        spans = merged(ranges)
         if not spans:
             return []
         fetched = (

@@ -44,9 +44,10 @@ class Location(ABC):
     """The files of one store, by key. `url` names the store in messages."""
 
     url: str
-    # Whether a reader stats a file at every read to see that it was not replaced (cheap on a folder);
-    # a bucket's reads are conditional on the version seen first instead.
-    stat_each_read: bool = True
+    # Whether each request costs a network round trip (a bucket): then a reader does not stat a file at
+    # every read (its reads are conditional on the version it saw first instead), and verify's quick
+    # mode reads each shard's index but not each chunk's 4-byte trailer, a request each.
+    remote: bool = False
 
     def describe(self, key: str) -> str:
         """How a message names the file `key`."""
@@ -70,10 +71,9 @@ class Location(ABC):
         ranges: Sequence[tuple[int, int]],
         *,
         found: Found | None = None,
-        gap: int = MERGE_GAP,
     ) -> list[bytes]:
-        """The bytes of each (offset, size) range of `key`, in order; on a bucket, ranges closer than `gap`
-        share a request."""
+        """The bytes of each (offset, size) range of `key`, in order (on a bucket, close ranges share a
+        request: `merged`)."""
         return [self.read(key, where, limit=size, offset=offset, found=found) for offset, size in ranges]
 
     @abstractmethod
