@@ -383,7 +383,8 @@ def run_precompute(
     backend = settings.backend
     check_device(settings.device, key="precompute.device")
     location = open_location(str(store_path or config.store.path), config.store.options)
-    location.prepare()  # a store that cannot keep the commit protocol is refused before any work
+    if location.remote:  # a bucket without conditional writes is refused before the dataset is tokenised
+        location.prepare()  # (a folder is probed when its writer opens it, as ingest writes there first)
     teachers = resolve_teachers(config.teachers, config.tokenizer)
     cache = ingest_cache(location)
     rows = ingest_rows(config, teachers, cache, show_progress=show_progress, log=log)
