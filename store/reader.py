@@ -78,7 +78,8 @@ class TeacherStore:
 
     def __init__(self, root: str | Path | Location, options: Mapping[str, str] | None = None) -> None:
         self.location = open_location(root, options)
-        self.root = self.location.url
+        # The store's folder (a Path), or its URL in a bucket.
+        self.root: Path | str = self.location.local_folder() or self.location.url
         self.manifest = read_manifest(self.location)
         self._artifacts = {a.path: a for a in self.manifest.artifacts()}
         rows = self._array(self.manifest.rows.path, OFFSETS)

@@ -28,7 +28,7 @@ Log = Callable[[str], None]
 class RunIdentity:
     """What a checkpoint must match to be resumed by this run."""
 
-    store: str  # the store's path or URL, for messages
+    store: Path | str  # the store's folder or URL, for messages
     teachers: list[TeacherIdentity]  # the store's teacher list
     run: dict[str, Any]  # the run record: the store's identity and every recorded setting
     layout: dict[str, Any]  # the student's backend and tensor × pipeline layout
