@@ -363,6 +363,15 @@ def precompute_result(
     )
 
 
+def probed_location(where: str | Path, options: dict[str, str]) -> Location:
+    """The store's location; a bucket without conditional writes is refused here, before the dataset is
+    tokenised (a folder is probed when its writer opens it, as ingest writes there first)."""
+    location = open_location(str(where), options)
+    if location.remote:
+        location.prepare()
+    return location
+
+
 def run_precompute(
     config: MopdConfig,
     *,
@@ -382,9 +391,7 @@ def run_precompute(
     settings = config.precompute.with_backend(backend)
     backend = settings.backend
     check_device(settings.device, key="precompute.device")
-    location = open_location(str(store_path or config.store.path), config.store.options)
-    if location.remote:  # a bucket without conditional writes is refused before the dataset is tokenised
-        location.prepare()  # (a folder is probed when its writer opens it, as ingest writes there first)
+    location = probed_location(store_path or config.store.path, config.store.options)
     teachers = resolve_teachers(config.teachers, config.tokenizer)
     cache = ingest_cache(location)
     rows = ingest_rows(config, teachers, cache, show_progress=show_progress, log=log)

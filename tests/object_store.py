@@ -5,12 +5,17 @@ The proxy forwards every request to moto, after `delay` seconds (a remote bucket
 `drop_conditions` it strips the conditional-write headers (`If-None-Match`, `If-Match`), as a service
 without conditional writes ignores them. Each test gets a bucket of its own (`S3Server.bucket`); the
 `AWS_*` variables that point obstore (and any subprocess) at the server are `S3Server.environment()`.
+
+moto runs in a child process: its server is a Flask app, and with Flask imported here vLLM's engine
+start (which scans every module's attributes while it registers its kernels) meets `flask.request`,
+whose attribute lookup raises outside a request, and fails the vLLM tests that run after this one.
 """
 
 from __future__ import annotations
 
 import http.client
-import logging
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -18,6 +23,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 _CONDITIONS = ("if-none-match", "if-match")
+# The child: moto's threaded server on a free port; prints "host port", serves until its stdin closes.
+_SERVE = """
+import logging, sys
+from moto.server import ThreadedMotoServer
+logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+print(*server.get_host_and_port(), flush=True)
+sys.stdin.read()
+server.stop()
+"""
 # Hop-by-hop headers a proxy does not pass on.
 _HOP = ("connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade")
 
@@ -26,12 +42,15 @@ class S3Server:
     """moto's S3 server, and optionally a proxy in front of it (see the module's docstring)."""
 
     def __init__(self, *, delay: float = 0.0, drop_conditions: bool = False) -> None:
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-        self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self._moto.start()
-        host, port = self._moto.get_host_and_port()
+        self._moto = subprocess.Popen(
+            [sys.executable, "-c", _SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self._moto.stdout is not None
+        started = self._moto.stdout.readline().split()
+        if len(started) != 2:
+            raise RuntimeError("moto's S3 server did not start; its extra comes with pip install -e '.[dev]'")
+        host, port_text = started
+        port = int(port_text)
         self.moto_endpoint = f"http://{host}:{port}"
         self._proxy: ThreadingHTTPServer | None = None
         self.endpoint = self.moto_endpoint
@@ -70,7 +89,13 @@ class S3Server:
         if self._proxy is not None:
             self._proxy.shutdown()
             self._proxy.server_close()
-        self._moto.stop()
+        assert self._moto.stdin is not None
+        self._moto.stdin.close()
+        try:
+            self._moto.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._moto.kill()
+            self._moto.wait()
 
 
 def _proxy(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import boto3
@@ -73,6 +74,13 @@ def test_the_server_answers_a_second_create_with_412(s3_server: S3Server, s3_buc
     store = Bucket(s3_bucket)
     assert store.create_exclusive("other", b"a") and not store.create_exclusive("other", b"b")
     assert bytes(obstore.get(store.store, "other").bytes()) == b"a"
+
+
+def test_the_server_leaves_flask_out_of_the_test_process(s3_bucket: str) -> None:
+    """moto's server is a Flask app; in this process Flask's `request` breaks the vLLM engine start of any
+    vLLM test that runs after the object-store tests (see tests/object_store.py)."""
+    assert Bucket(s3_bucket).create_exclusive("record", b"a")  # the server answers
+    assert "flask" not in sys.modules and "moto" not in sys.modules
 
 
 def test_a_bucket_without_conditional_writes_is_refused_at_open(
