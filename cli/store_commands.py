@@ -46,6 +46,7 @@ def verify_manifest_command(
         options=config.store.options if config else None,
         teachers=config.teachers if config else None,
         routing=config.routing.model_dump(mode="json") if config else None,
+        encoding=config.store.encoding if config else None,
         checkpoint=checkpoint,
         full=full,
     )
@@ -85,6 +86,7 @@ def inspect_command(store: str, as_json: bool) -> None:
                     "compression_ratio": summary.compression_ratio,
                 },
                 indent=2,
+                default=lambda record: record.model_dump(mode="json"),  # a teacher's calibration
             )
         )
         return
@@ -94,7 +96,7 @@ def inspect_command(store: str, as_json: bool) -> None:
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("#", justify="right")
     table.add_column("aliases", overflow="fold", max_width=24)
-    for column in ("hidden", "vocab rows", "rows", "tokens", "stored", "as fp32 logits"):
+    for column in ("hidden", "vocab rows", "rows", "tokens", "stored", "B/token", "as fp32 logits"):
         table.add_column(column, justify="right")
     for t in summary.teachers:
         table.add_row(
@@ -105,18 +107,28 @@ def inspect_command(store: str, as_json: bool) -> None:
             f"{t.rows:,}",
             f"{t.tokens:,}",
             format_size(t.stored_bytes),
+            f"{t.bytes_per_token:,.0f}",
             format_size(t.full_logit_bytes),
         )
     console.print(table)
     for t in summary.teachers:
         line = f"{t.index}: {t.checkpoint} (fingerprint {t.fingerprint[:12]})"
         console.print(line, markup=False, overflow="fold")
+    for t in summary.teachers:
+        if t.calibration is not None:
+            c = t.calibration
+            console.print(
+                f"{t.index}: int8-rotated costs KL {c.kl_mean:.2e} nats a token on average (p99 "
+                f"{c.kl_p99:.2e}, max {c.kl_max:.2e}; top-1 agreement {c.top1_agreement:.1%}), measured on "
+                f"its first {c.measured_tokens:,} tokens against the exact states"
+            )
     console.print(
         f"vocab rows: each teacher's output layer; the tokenizer has {summary.vocab_size} tokens, over "
         "which training distils (rows past them are padding and take no part)"
     )
     console.print(
-        f"{summary.rows} rows, {summary.tokens} tokens; hidden states {summary.hidden_dtype}, codec "
+        f"{summary.rows} rows, {summary.tokens} tokens; hidden states {summary.hidden_dtype} "
+        f"({summary.encoding}), codec "
         f"{summary.codec}: {format_size(summary.stored_bytes)} on disk, compression ratio "
         f"{summary.compression_ratio:.3f}"
     )

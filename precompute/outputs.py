@@ -17,11 +17,11 @@ from mopd.base.errors import StoreIntegrityError
 from mopd.base.version import __version__
 from mopd.precompute.backends import HiddenStateSource, TeacherModel
 from mopd.precompute.data import TokenizedRows
-from mopd.store.manifest import HeadTask, Manifest, RowsTask, ShardTask
-from mopd.store.tasks import HiddenShardWriter, write_lm_head, write_rows
+from mopd.store.encoding import Calibration, Encoding
+from mopd.store.manifest import EXACT, EncodingTask, HeadTask, Manifest, RowsTask, ShardTask, load_part
+from mopd.store.tasks import HiddenShardWriter, read_encoding, write_encoding, write_lm_head, write_rows
+from mopd.store.tensors import TORCH_DTYPES
 from mopd.store.writer import StoreWriter
-
-_STORAGE_TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 # A hidden-state shard as its task fills it, a batch at a time: append(row ids, their [L_i, H] states).
 AppendStates = Callable[[np.ndarray, list[torch.Tensor]], None]
@@ -34,6 +34,7 @@ class StoreOutput:
 
     def __init__(self, writer: StoreWriter, hidden_dtype: str) -> None:
         self.writer, self.hidden_dtype = writer, hidden_dtype
+        self._encodings: dict[int, Encoding] = {}  # teacher -> its published encoding
 
     def done(self) -> set[str]:
         return self.writer.done_tasks()
@@ -61,13 +62,36 @@ class StoreOutput:
                 final_logit_softcap=teacher.transform.final_logit_softcap,
             )
 
+    def encoding(self, task: EncodingTask, teacher: TeacherModel, calibration: Calibration) -> None:
+        """Publishes the teacher's encoding fitted on `calibration`, unless another job published one
+        first: then that one is kept, and every shard of this job encodes with it."""
+        encoding, info = calibration.fit(
+            teacher.lm_head(), teacher.transform, TORCH_DTYPES[self.hidden_dtype]
+        )
+        with self.writer.task(task.task_id, adopt=True) as out:
+            write_encoding(out, encoding, info)
+            out.num_rows, out.num_tokens = calibration.rows, calibration.tokens
+        self._encodings.pop(task.teacher, None)
+
+    def _encoding(self, teacher: int) -> Encoding | None:
+        """The teacher's published encoding (None in an exact store), read from the store once."""
+        plan = self.writer.plan
+        if plan.storage.encoding == EXACT:
+            return None
+        if teacher not in self._encodings:
+            task = next(t for t in plan.tasks if isinstance(t, EncodingTask) and t.teacher == teacher)
+            part = load_part(self.writer.location, task.task_id)
+            self._encodings[teacher] = read_encoding(self.writer.location, task.path, part)[0]
+        return self._encodings[teacher]
+
     @contextmanager
     def shard(
         self, task: ShardTask, teacher: HiddenStateSource, rows: TokenizedRows, order: np.ndarray
     ) -> Iterator[AppendStates]:
         """The shard of `task`, its rows in processing `order`; published when the block exits without an
         error. A non-finite state refuses the whole task, naming the row."""
-        dtype = _STORAGE_TORCH_DTYPE[self.hidden_dtype]
+        dtype = TORCH_DTYPES[self.hidden_dtype]
+        encoding = self._encoding(task.teacher)
         with self.writer.task(task.task_id) as out:
             shard = HiddenShardWriter(
                 out,
@@ -75,6 +99,7 @@ class StoreOutput:
                 lengths=rows.lengths[order],
                 hidden_size=teacher.hidden_size,
                 dtype=self.hidden_dtype,
+                encoding=encoding,
             )
 
             def append(batch: np.ndarray, hidden: list[torch.Tensor]) -> None:
@@ -85,7 +110,7 @@ class StoreOutput:
                             f"states for row {row} (source key {rows.source_keys[row]}); nothing of the task "
                             "was written"
                         )
-                    shard.append(int(row), states.to(dtype))
+                    shard.append(int(row), states if encoding is not None else states.to(dtype))
 
             yield append
             shard.close()
@@ -130,6 +155,9 @@ class NoOutput:
         pass
 
     def head(self, task: HeadTask, teacher: TeacherModel) -> None:
+        pass
+
+    def encoding(self, task: EncodingTask, teacher: TeacherModel, calibration: Calibration) -> None:
         pass
 
     @contextmanager

@@ -31,10 +31,12 @@ from mopd.precompute.output_layer import resolve_dtype
 from mopd.precompute.outputs import NoOutput, Output, StoreOutput
 from mopd.precompute.progress import TokenProgress
 from mopd.precompute.teachers import TeacherSet, load_tokenizer, resolve_teachers
+from mopd.store.encoding import CALIBRATION_TOKENS, Calibration
 from mopd.store.layout import plan_tasks, shard_rows
 from mopd.store.locations import Location, open_location
 from mopd.store.manifest import (
     DatasetInfo,
+    EncodingTask,
     HeadTask,
     Manifest,
     Plan,
@@ -50,7 +52,7 @@ from mopd.store.writer import StoreWriter
 if TYPE_CHECKING:
     from mopd.mcore.parallel import ModelParallelGroup
 
-Task: TypeAlias = RowsTask | HeadTask | ShardTask
+Task: TypeAlias = RowsTask | HeadTask | ShardTask | EncodingTask
 
 # The inner chunk: the unit a read decodes (bench/README.md, "scale.py", measures the choice).
 CHUNK_BYTES = 256 << 10
@@ -115,9 +117,13 @@ def build_plan(
             rows.teacher_index,
             num_teachers=len(teachers.slots),
             rows_per_task=config.precompute.rows_per_task,
+            encoding=config.store.encoding,
         ),
         storage=StorageInfo(
-            hidden_dtype=config.store.dtype, codec=config.store.codec, chunk_bytes=CHUNK_BYTES
+            hidden_dtype=config.store.dtype,
+            codec=config.store.codec,
+            chunk_bytes=CHUNK_BYTES,
+            encoding=config.store.encoding,
         ),
         config={
             "data": {
@@ -228,10 +234,24 @@ def run_hidden_task(
             progress.advance(rows=len(batch), tokens=int(rows.lengths[batch].sum()))
 
 
+def run_encoding_task(
+    output: Output, task: EncodingTask, teacher: TeacherModel, rows: TokenizedRows, batch_tokens: int
+) -> None:
+    """Fits the teacher's encoding on its first rows, as many as fit in `CALIBRATION_TOKENS` (at least
+    one), in the order of the teacher's first shard task."""
+    row_ids = np.flatnonzero(rows.teacher_index == task.teacher)
+    lengths = rows.lengths[row_ids]
+    row_ids = row_ids[: max(1, int(np.searchsorted(np.cumsum(lengths), CALIBRATION_TOKENS, side="right")))]
+    calibration = Calibration()
+    for batch in pack_batches(row_ids, rows.lengths[row_ids], batch_tokens=batch_tokens):
+        calibration.add(teacher.hidden_states([rows.input_ids[r] for r in batch]))
+    output.encoding(task, teacher, calibration)
+
+
 def run_teacher_tasks(
     output: Output,
     teacher: TeacherModel,
-    tasks: list[HeadTask | ShardTask],
+    tasks: list[HeadTask | ShardTask | EncodingTask],
     rows: TokenizedRows,
     batch_tokens: int,
     progress: TokenProgress,
@@ -244,6 +264,8 @@ def run_teacher_tasks(
         for task in tasks:
             if isinstance(task, HeadTask):
                 output.head(task, teacher)
+            elif isinstance(task, EncodingTask):
+                run_encoding_task(output, task, teacher, rows, batch_tokens)
             else:
                 run_hidden_task(output, task, teacher, rows, batch_tokens, progress)
     finally:
@@ -285,13 +307,24 @@ class Share:
 def job_share(
     plan: Plan, output: Output, group: ModelParallelGroup | None, num_tasks: int, task_index: int
 ) -> Share:
-    selected = set(select_tasks([t.task_id for t in plan.tasks], num_tasks=num_tasks, task_index=task_index))
+    split = [t.task_id for t in plan.tasks if not isinstance(t, EncodingTask)]
+    selected = set(select_tasks(split, num_tasks=num_tasks, task_index=task_index))
     done = output.done()
+    selected |= encodings_for(plan, selected, done)
     todo = [t.task_id for t in plan.tasks if t.task_id in selected and t.task_id not in done]
     if group is not None:
         todo = group.share(todo)
     chosen = set(todo)
     return Share(selected, selected & done, [t for t in plan.tasks if t.task_id in chosen])
+
+
+def encodings_for(plan: Plan, selected: set[str], done: set[str]) -> set[str]:
+    """The encoding tasks (an int8-rotated store's) of a job: a teacher's goes with its first shard, and to
+    every job with a shard of that teacher left to do. The first job to finish one publishes it; the
+    others adopt that one (`StoreOutput.encoding`)."""
+    shards = [t for t in plan.tasks if isinstance(t, ShardTask) and t.task_id in selected]
+    teachers = {t.teacher for t in shards if t.shard == 0 or t.task_id not in done}
+    return {t.task_id for t in plan.tasks if isinstance(t, EncodingTask) and t.teacher in teachers}
 
 
 def run_tasks(
@@ -312,7 +345,7 @@ def run_tasks(
         for task in (t for t in todo if isinstance(t, RowsTask)):
             output.rows(task, rows)
         for slot in teachers.slots:
-            mine = [t for t in todo if isinstance(t, HeadTask | ShardTask) and t.teacher == slot.index]
+            mine = [t for t in todo if not isinstance(t, RowsTask) and t.teacher == slot.index]
             if mine:
                 progress.describe(f"teacher {'+'.join(slot.aliases)}")
                 length = int(rows.lengths.max())

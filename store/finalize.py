@@ -16,8 +16,11 @@ from mopd.store.locations import Location
 from mopd.store.manifest import (
     FORMAT,
     FORMAT_VERSION,
+    INT8_ROTATED,
     MANIFEST_FILE,
     ArtifactRecord,
+    EncodingArtifact,
+    EncodingTask,
     HeadArtifact,
     HeadTask,
     Manifest,
@@ -95,6 +98,8 @@ def _artifact(task: TaskSpec, part: PartRecord, part_sha256: str) -> ArtifactRec
         return RowsArtifact(**stats)
     if isinstance(task, HeadTask):
         return HeadArtifact(teacher=task.teacher, **stats)
+    if isinstance(task, EncodingTask):
+        return EncodingArtifact(teacher=task.teacher, **stats)
     return ShardArtifact(teacher=task.teacher, shard=task.shard, **stats)
 
 
@@ -121,7 +126,7 @@ def build_manifest(
     return Manifest(
         format=FORMAT,
         format_version=FORMAT_VERSION,
-        required_features=[],
+        required_features=[INT8_ROTATED] if plan.storage.encoding == INT8_ROTATED else [],
         created_by=created_by,
         identity=plan.identity(),
         tokenizer=plan.tokenizer,
@@ -133,6 +138,7 @@ def build_manifest(
         shards=sorted(
             (a for a in artifacts if isinstance(a, ShardArtifact)), key=lambda a: (a.teacher, a.shard)
         ),
+        encodings=sorted((a for a in artifacts if isinstance(a, EncodingArtifact)), key=lambda a: a.teacher),
         config=plan.config,
         volatile=dict(volatile),
     )

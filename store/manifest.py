@@ -7,15 +7,17 @@
 All three are canonical JSON (sorted keys). Fields that legitimately differ between two runs that
 computed the same bytes (time, host) live under `volatile` and are excluded from every comparison.
 
-A task comes in three kinds, each its own type (`RowsTask`, `HeadTask`, `ShardTask`): a head and a
-shard always know their teacher, so nothing downstream guesses one. Version 2 adds per-chunk crc32c
+A task comes in four kinds, each its own type (`RowsTask`, `HeadTask`, `ShardTask`, and in an
+int8-rotated store `EncodingTask`): a head, a shard and an encoding always know their teacher, so nothing
+downstream guesses one. Version 2 adds per-chunk crc32c
 checksums to every array and writes every chunk, so a read can tell a missing chunk from a zero one;
 a fingerprint covers every byte of a teacher that decides its outputs. Version 3 keeps the records of
 version 2 and changes only the arrays' layout (one shard file per array of small inner chunks,
 `arrays.py`): `storage.chunk_bytes` is then the inner chunk's size. Version 4 keeps that layout and adds
 beside each shard the list of its chunks' checksums (`chunks.CRC_FILE`), which binds every chunk a reader
 decodes to the file the part record names. Version 1 records are upgraded on reading (`format_version`
-keeps saying 1, so readers know which guarantees hold).
+keeps saying 1, so readers know which guarantees hold). An int8-rotated store (`storage.encoding`)
+requires the feature `int8-rotated` of its readers; an exact store's records are unchanged.
 """
 
 from __future__ import annotations
@@ -23,19 +25,32 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    model_serializer,
+)
 
 from mopd.base.errors import ManifestError, StoreIncompleteError
 from mopd.base.jsonio import MAX_RECORD_BYTES, describe_location, parse_json
+from mopd.store.legacy import upgrade_v1_manifest, upgrade_v1_part, upgrade_v1_plan
 from mopd.store.locations import Location, open_location
 
 FORMAT = "mopd-teacher-store"
 FORMAT_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
 BOUND_FROM_VERSION = 4  # from this version on, every chunk read is bound to its recorded file
-KNOWN_FEATURES: frozenset[str] = frozenset()
+# `storage.encoding`: hidden states as computed, or 8-bit codes (`encoding.py`); a store of the latter
+# requires the feature of that name of its readers.
+EXACT, INT8_ROTATED = "exact", "int8-rotated"
+KNOWN_FEATURES: frozenset[str] = frozenset({INT8_ROTATED})
 
 MANIFEST_FILE = "manifest.json"
 PLAN_FILE = "_plan.json"
@@ -48,6 +63,17 @@ Count = Annotated[StrictInt, Field(ge=0)]
 
 class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # Fields added to format 4 after its first stores were written: left out of the JSON while they hold
+    # their default, so that such a record is byte for byte what an earlier mopd wrote (same hashes).
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        for name in self.OMITTED_AT_DEFAULT:
+            if getattr(self, name) == type(self).model_fields[name].default:
+                data.pop(name, None)
+        return data
 
 
 class RowsTask(_Record):
@@ -81,7 +107,17 @@ class ShardTask(_Record):
     row_stop: Count
 
 
-TaskSpec = Annotated[RowsTask | HeadTask | ShardTask, Field(discriminator="kind")]
+class EncodingTask(_Record):
+    """Teacher `teacher`'s encoding of an int8-rotated store: its mean and rotation, fitted on the rows of
+    its first shard. A job runs it before its first shard of the teacher unless another job has."""
+
+    kind: Literal["encoding"] = "encoding"
+    task_id: str
+    path: str
+    teacher: Count
+
+
+TaskSpec = Annotated[RowsTask | HeadTask | ShardTask | EncodingTask, Field(discriminator="kind")]
 
 
 class TeacherInfo(_Record):
@@ -122,11 +158,30 @@ class DatasetInfo(_Record):
 
 
 class StorageInfo(_Record):
+    OMITTED_AT_DEFAULT = ("encoding",)
+
     hidden_dtype: Literal["bfloat16", "float32"]
     codec: Literal["shuffle-zstd1", "none"]
     chunk_bytes: Annotated[StrictInt, Field(gt=0)]
     # Per-chunk checksum of every array (version 2); None in version-1 stores.
     checksum: Literal["crc32c"] | None = "crc32c"
+    # How hidden states are stored: `exact` in `hidden_dtype`, or 8-bit codes (`encoding.py`).
+    encoding: Literal["exact", "int8-rotated"] = "exact"
+
+
+class EncodingInfo(_Record):
+    """What an encoding task fitted and measured (its folder's `calibration.json`): the rotation's seed,
+    the calibration rows, and the KL (nats per token, T = 1) of the distribution rebuilt from the decoded
+    states from the exact one, on the first calibration tokens."""
+
+    seed: Count
+    calibration_rows: Count
+    calibration_tokens: Count
+    measured_tokens: Count
+    kl_mean: StrictFloat
+    kl_p99: StrictFloat
+    kl_max: StrictFloat
+    top1_agreement: StrictFloat
 
 
 class Plan(_Record):
@@ -187,10 +242,17 @@ class ShardArtifact(_Published):
     shard: Count
 
 
-ArtifactRecord = RowsArtifact | HeadArtifact | ShardArtifact
+class EncodingArtifact(_Published):
+    kind: Literal["encoding"] = "encoding"
+    teacher: Count
+
+
+ArtifactRecord = RowsArtifact | HeadArtifact | ShardArtifact | EncodingArtifact
 
 
 class Manifest(_Record):
+    OMITTED_AT_DEFAULT = ("encodings",)
+
     format: Literal["mopd-teacher-store"]
     format_version: Count
     required_features: list[str]
@@ -203,11 +265,12 @@ class Manifest(_Record):
     rows: RowsArtifact
     lm_heads: list[HeadArtifact]
     shards: list[ShardArtifact]
+    encodings: list[EncodingArtifact] = []  # int8-rotated stores: one per teacher with rows
     config: dict[str, Any]
     volatile: dict[str, Any] = {}
 
     def artifacts(self) -> list[ArtifactRecord]:
-        return [self.rows, *self.lm_heads, *self.shards]
+        return [self.rows, *self.lm_heads, *self.encodings, *self.shards]
 
     def stable_dict(self) -> dict[str, Any]:
         """The manifest without its volatile fields: equal for every run that made the same store."""
@@ -256,62 +319,6 @@ def check_format(raw: Any, path: str | Path) -> int:
     return version
 
 
-# Version 1 wrote every task and artifact with all of kind, teacher, shard and row range (null or 0
-# where a kind has none), a part record's LM-head facts as `info`, and had no checksums.
-_V1_TASK_FIELDS = {
-    "rows": ("task_id", "path", "row_start", "row_stop"),
-    "lm_head": ("task_id", "path", "teacher"),
-    "hidden": ("task_id", "path", "teacher", "shard", "row_start", "row_stop"),
-}
-_V1_ARTIFACT_FIELDS = ("task_id", "path", "rows", "tokens", "bytes", "hash", "part_sha256")
-
-
-def _upgrade_v1_task(task: Any) -> Any:
-    if not isinstance(task, dict) or task.get("kind") not in _V1_TASK_FIELDS:
-        return task  # left for validation to reject
-    return {"kind": task["kind"], **{k: task.get(k) for k in _V1_TASK_FIELDS[task["kind"]]}}
-
-
-def _upgrade_v1_artifact(artifact: Any) -> Any:
-    if not isinstance(artifact, dict):
-        return artifact
-    kind = str(artifact.get("kind"))
-    keep = {"hidden": ("teacher", "shard"), "lm_head": ("teacher",)}.get(kind, ())
-    return {"kind": artifact.get("kind"), **{k: artifact.get(k) for k in (*_V1_ARTIFACT_FIELDS, *keep)}}
-
-
-def _upgrade_v1_storage(raw: dict[str, Any]) -> None:
-    if isinstance(raw.get("storage"), dict):
-        raw["storage"] = {**raw["storage"], "checksum": None}
-
-
-def upgrade_v1_plan(raw: dict[str, Any]) -> dict[str, Any]:
-    raw = dict(raw)
-    if isinstance(raw.get("tasks"), list):
-        raw["tasks"] = [_upgrade_v1_task(t) for t in raw["tasks"]]
-    _upgrade_v1_storage(raw)
-    return raw
-
-
-def upgrade_v1_manifest(raw: dict[str, Any]) -> dict[str, Any]:
-    raw = dict(raw)
-    raw["rows"] = _upgrade_v1_artifact(raw.get("rows"))
-    for key in ("lm_heads", "shards"):
-        if isinstance(raw.get(key), list):
-            raw[key] = [_upgrade_v1_artifact(a) for a in raw[key]]
-    _upgrade_v1_storage(raw)
-    return raw
-
-
-def upgrade_v1_part(raw: Any) -> Any:
-    if not isinstance(raw, dict) or "kind" not in raw:
-        return raw
-    info = raw.get("info") or None
-    head = info if raw.get("kind") == "lm_head" else None
-    dropped = {"kind", "path", "teacher", "shard", "info"}
-    return {**{k: v for k, v in raw.items() if k not in dropped}, "head": head}
-
-
 def _validate(model: type[BaseModel], raw: Any, path: str | Path, what: str) -> Any:
     try:
         return model.model_validate(raw)
@@ -346,6 +353,13 @@ def parse_manifest(data: bytes, path: str | Path) -> Manifest:
     except ManifestError as err:
         raise ManifestError(f"{err}; {REBUILD_MANIFEST}") from err
     return manifest
+
+
+def parse_calibration(data: bytes, path: str | Path) -> EncodingInfo:
+    """An encoding task's `calibration.json`."""
+    raw = parse_json(data, what=f"calibration record {path}", error=ManifestError)
+    info: EncodingInfo = _validate(EncodingInfo, raw, path, "calibration record")
+    return info
 
 
 def parse_plan(data: bytes, path: str | Path) -> Plan:

@@ -25,19 +25,32 @@ import torch
 from mopd.base.errors import ManifestError, StoreIntegrityError
 from mopd.base.fsio import safe_relative
 from mopd.store.chunks import ArrayReader
+from mopd.store.encoding import Encoding
 from mopd.store.files import Recorded
-from mopd.store.layout import HIDDEN, INPUT_IDS, LOSS_MASK, OFFSETS, ROW_IDS, TEACHER_INDEX
+from mopd.store.layout import (
+    CODES,
+    HIDDEN,
+    INPUT_IDS,
+    LOSS_MASK,
+    OFFSETS,
+    ROW_IDS,
+    SCALES,
+    TEACHER_INDEX,
+)
 from mopd.store.locations import Location, open_location, shared_pool
 from mopd.store.manifest import (
     BOUND_FROM_VERSION,
+    EncodingInfo,
     PartRecord,
+    ShardArtifact,
     TeacherEntry,
     parse_part,
     part_key,
     read_manifest,
     read_record,
 )
-from mopd.store.tensors import from_storage
+from mopd.store.tasks import read_encoding
+from mopd.store.tensors import TORCH_DTYPES, from_storage
 from mopd.store.transform import LogitTransform
 
 FORMAT_1_NOTE = (
@@ -226,8 +239,27 @@ class TeacherStore:
         return shard_of, starts, stops
 
     def hidden(self, i: int) -> torch.Tensor:
-        """The row's stored teacher hidden states, [L, H], in the stored logical dtype."""
+        """The row's stored teacher hidden states, [L, H], in the stored logical dtype (`store.dtype`; an
+        int8-rotated store's decoded states are rounded to it)."""
         return self.hiddens([i])[0]
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - as `_array`
+    def encoding(self, teacher_index: int) -> tuple[Encoding, EncodingInfo] | None:
+        """An int8-rotated store's encoding of the teacher, and what its fit measured; None in an exact
+        store, or for a teacher with no rows."""
+        self.teacher(teacher_index)
+        folder = next((a.path for a in self.manifest.encodings if a.teacher == teacher_index), None)
+        return None if folder is None else read_encoding(self.location, folder, self._part(folder))
+
+    def _states(self, shard: ShardArtifact, starts: np.ndarray, stops: np.ndarray) -> torch.Tensor:
+        """A shard's states of the token ranges [starts, stops), end to end, decoded when encoded."""
+        coded = self.encoding(shard.teacher)
+        if coded is None:
+            hidden = self._array(shard.path, HIDDEN)
+            return from_storage(hidden.gather(starts, stops), hidden.logical_dtype)
+        codes, scales = (self._array(shard.path, name).gather(starts, stops) for name in (CODES, SCALES))
+        states = coded[0].decode(torch.from_numpy(codes), torch.from_numpy(scales))
+        return states.to(TORCH_DTYPES[self.manifest.storage.hidden_dtype])
 
     def hiddens(self, indices: Sequence[int] | np.ndarray) -> list[torch.Tensor]:
         """The hidden states of rows `indices`, in that order; one gather per shard they fall in, so each
@@ -242,8 +274,7 @@ class TeacherStore:
         def read(k: int) -> tuple[np.ndarray, list[torch.Tensor]]:
             where = np.flatnonzero(shard_of[indices] == k)
             rows = indices[where]
-            hidden = self._array(self.manifest.shards[k].path, HIDDEN)
-            states = from_storage(hidden.gather(starts[rows], stops[rows]), hidden.logical_dtype)
+            states = self._states(self.manifest.shards[k], starts[rows], stops[rows])
             return where, list(states.split((stops - starts)[rows].tolist()))
 
         for where, parts in _fanout().map(read, np.unique(shard_of[indices]).tolist()):

@@ -1,4 +1,5 @@
-"""What `mopd inspect` shows: per-teacher rows, tokens and bytes of a finalized store."""
+"""What `mopd inspect` shows: per-teacher rows, tokens and bytes of a finalized store, and in an
+int8-rotated store what each teacher's encoding measured."""
 
 from __future__ import annotations
 
@@ -6,7 +7,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mopd.store.arrays import storage_dtype
-from mopd.store.manifest import read_manifest
+from mopd.store.files import Recorded
+from mopd.store.layout import CALIBRATION_FILE
+from mopd.store.locations import Location, open_location
+from mopd.store.manifest import (
+    EncodingInfo,
+    Manifest,
+    parse_calibration,
+    parse_part,
+    part_key,
+    read_manifest,
+    read_record,
+)
 
 
 @dataclass(frozen=True)
@@ -22,6 +34,11 @@ class TeacherSummary:
     stored_bytes: int
     logical_bytes: int
     full_logit_bytes: int  # what the same tokens would take as fp32 full-vocabulary logits
+    calibration: EncodingInfo | None = None  # an int8-rotated store's: what its encoding measured
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.stored_bytes / self.tokens if self.tokens else float("nan")
 
 
 @dataclass(frozen=True)
@@ -31,6 +48,7 @@ class StoreSummary:
     created_by: str
     hidden_dtype: str
     codec: str
+    encoding: str
     rows: int
     tokens: int
     vocab_size: int  # the tokenizer's tokens; each teacher's output layer may pad past them
@@ -46,8 +64,23 @@ class StoreSummary:
         return logical / self.stored_bytes if self.stored_bytes else float("nan")
 
 
+def calibration(location: Location, manifest: Manifest, teacher: int) -> EncodingInfo | None:
+    """What the teacher's encoding measured, an int8-rotated store's (None: exact, or no rows), its
+    record proved to be the one its part record lists."""
+    artifact = next((a for a in manifest.encodings if a.teacher == teacher), None)
+    if artifact is None:
+        return None
+    part_path = location.describe(part_key(artifact.task_id))
+    part = parse_part(read_record(location, part_key(artifact.task_id), "part record"), part_path)
+    key = f"{artifact.path}/{CALIBRATION_FILE}"
+    data = read_record(location, key, "calibration record")
+    Recorded(part.files, bound=True).check(CALIBRATION_FILE, data, location.describe(key))
+    return parse_calibration(data, location.describe(key))
+
+
 def summarise_store(root: str | Path) -> StoreSummary:
-    manifest = read_manifest(root)
+    location = open_location(root)
+    manifest = read_manifest(location)
     itemsize = storage_dtype(manifest.storage.hidden_dtype).itemsize
     teachers = []
     for teacher in manifest.teachers:
@@ -66,6 +99,7 @@ def summarise_store(root: str | Path) -> StoreSummary:
                 stored_bytes=sum(s.bytes for s in shards),
                 logical_bytes=tokens * teacher.hidden_size * itemsize,
                 full_logit_bytes=tokens * teacher.vocab_size * 4,
+                calibration=calibration(location, manifest, teacher.index),
             )
         )
     return StoreSummary(
@@ -74,6 +108,7 @@ def summarise_store(root: str | Path) -> StoreSummary:
         created_by=manifest.created_by,
         hidden_dtype=manifest.storage.hidden_dtype,
         codec=manifest.storage.codec,
+        encoding=manifest.storage.encoding,
         rows=manifest.dataset.num_rows,
         tokens=manifest.dataset.num_tokens,
         vocab_size=manifest.tokenizer.vocab_size,

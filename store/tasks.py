@@ -1,5 +1,5 @@
-"""What each kind of task writes into its folder: rows, an LM head, a hidden-state shard (the arrays
-`layout.py` declares)."""
+"""What each kind of task writes into its folder: rows, an LM head, a hidden-state shard, a teacher's
+encoding (the arrays `layout.py` declares)."""
 
 from __future__ import annotations
 
@@ -8,20 +8,41 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
+from mopd.base.fsio import safe_relative
 from mopd.store.arrays import ArrayAppender
+from mopd.store.chunks import ArrayReader
+from mopd.store.encoding import Encoding
+from mopd.store.files import Recorded
 from mopd.store.layout import (
+    CALIBRATION_FILE,
+    CODES,
     HIDDEN,
     INPUT_IDS,
     LOSS_MASK,
+    MEAN,
+    MIX,
     OFFSETS,
     ROW_IDS,
+    SCALES,
+    SIGNS,
     SOURCE_KEY,
     TEACHER_INDEX,
+    encoding_arrays,
     head_array,
     rows_arrays,
     shard_arrays,
 )
-from mopd.store.manifest import HeadInfo
+from mopd.store.locations import Location
+from mopd.store.manifest import (
+    EXACT,
+    INT8_ROTATED,
+    EncodingInfo,
+    HeadInfo,
+    PartRecord,
+    canonical_json,
+    parse_calibration,
+    read_record,
+)
 from mopd.store.tensors import to_storage, torch_logical_dtype
 from mopd.store.writer import TaskOutput
 
@@ -88,20 +109,55 @@ def write_lm_head(
     output.head = info
 
 
+def write_encoding(output: TaskOutput, encoding: Encoding, info: EncodingInfo) -> None:
+    """Writes a teacher's int8-rotated encoding: its mean, its rotation's signs and Q, and what its fit
+    measured (`CALIBRATION_FILE`)."""
+    arrays = encoding_arrays(encoding.hidden_size)
+    output.write(arrays[MEAN], encoding.mean.numpy())
+    output.write(arrays[SIGNS], encoding.signs.numpy().astype(np.int8))
+    output.write(arrays[MIX], encoding.mix.numpy())
+    (output.folder / CALIBRATION_FILE).write_bytes(canonical_json(info.model_dump(mode="json")))
+
+
+def read_encoding(location: Location, folder: str, part: PartRecord) -> tuple[Encoding, EncodingInfo]:
+    """A published encoding task's encoding and calibration record, each file proved to be the one its
+    part record lists."""
+    record = safe_relative(f"{folder}/{CALIBRATION_FILE}")
+    data = read_record(location, record, "calibration record")
+    Recorded(part.files, bound=True).check(CALIBRATION_FILE, data, location.describe(record))
+    arrays = []
+    for name in (MEAN, SIGNS, MIX):
+        key = safe_relative(f"{folder}/{name}")
+        recorded = Recorded.of(part.files, name, bound=True)
+        arrays.append(ArrayReader(location, key, label=key, recorded=recorded).read())
+    return Encoding.of(*arrays), parse_calibration(data, location.describe(record))
+
+
 class HiddenShardWriter:
-    """Streams one shard's hidden states: rows in a fixed order, each exactly its own length."""
+    """Streams one shard's hidden states: rows in a fixed order, each exactly its own length; exact in
+    `dtype`, or as int8 codes and a scale a token when given the teacher's `encoding`."""
 
     def __init__(
-        self, output: TaskOutput, *, row_ids: np.ndarray, lengths: np.ndarray, hidden_size: int, dtype: str
+        self,
+        output: TaskOutput,
+        *,
+        row_ids: np.ndarray,
+        lengths: np.ndarray,
+        hidden_size: int,
+        dtype: str,
+        encoding: Encoding | None = None,
     ) -> None:
         self._output = output
         self._row_ids = np.asarray(row_ids, dtype=np.int64)
         self._lengths = np.asarray(lengths, dtype=np.int64)
         self._dtype = dtype
+        self._encoding = encoding
         self._next = 0
         total = int(self._lengths.sum())
-        self._arrays = shard_arrays(int(self._row_ids.shape[0]), total, hidden_size, dtype)
-        self._hidden: ArrayAppender = output.appender(self._arrays[HIDDEN])
+        kind = EXACT if encoding is None else INT8_ROTATED
+        self._arrays = shard_arrays(int(self._row_ids.shape[0]), total, hidden_size, dtype, kind)
+        names = (HIDDEN,) if encoding is None else (CODES, SCALES)
+        self._states: list[ArrayAppender] = [output.appender(self._arrays[name]) for name in names]
         output.num_rows = int(self._row_ids.shape[0])
         output.num_tokens = total
 
@@ -114,7 +170,12 @@ class HiddenShardWriter:
             raise ValueError(
                 f"row {row_id} has {hidden.shape[0]} hidden states, expected {self._lengths[self._next]}"
             )
-        self._hidden.append(to_storage(hidden, self._dtype))
+        if self._encoding is None:
+            self._states[0].append(to_storage(hidden, self._dtype))
+        else:
+            codes, scales = self._encoding.encode(hidden)
+            self._states[0].append(codes.cpu().numpy())
+            self._states[1].append(scales.cpu().numpy())
         self._next += 1
 
     def close(self) -> None:

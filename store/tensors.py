@@ -9,9 +9,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
 
 def torch_logical_dtype(dtype: torch.dtype) -> str:
-    names = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+    names = {torch_dtype: name for name, torch_dtype in TORCH_DTYPES.items()}
     if dtype not in names:
         raise ValueError(f"tensors of dtype {dtype} cannot be stored; use bfloat16 or float32")
     return names[dtype]

@@ -20,6 +20,7 @@ from typing import Any
 from mopd.base.completion import check_complete
 from mopd.base.errors import ConfigError, MopdError
 from mopd.base.fsio import LINK_REFUSED, safe_relative
+from mopd.base.jsonio import read_json
 from mopd.store.arrays import storage_dtype
 from mopd.store.chunks import array_header, check_recorded_chunks
 from mopd.store.files import Recorded
@@ -349,13 +350,14 @@ def verify_store(
     options: Mapping[str, str] | None = None,
     teachers: Mapping[str, str] | None = None,
     routing: Mapping[str, Any] | None = None,
+    encoding: str | None = None,
     checkpoint: str | Path | None = None,
     full: bool = False,
     threads: int | None = None,
 ) -> tuple[list[str], list[str]]:
     """Checks a store (a folder or an object-storage URL, `options` its client's settings), and optionally
-    a config's teachers (alias → checkpoint) and routing (its `routing` section as a mapping) and a
-    training checkpoint against it.
+    a config's teachers (alias → checkpoint), routing (its `routing` section as a mapping) and
+    `store.encoding`, and a training checkpoint against it.
 
     Returns:
         (problems, warnings): each one line; the store is sound and agrees when `problems` is empty.
@@ -376,9 +378,22 @@ def verify_store(
         warnings += config_warnings
         if routing is not None:
             problems += check_routing(manifest, routing, teachers)
+    if encoding is not None and encoding != manifest.storage.encoding:
+        problems.append(
+            f"store.encoding: {manifest.storage.encoding!r} in the store, {encoding!r} in the config (a "
+            "precompute with this config would refuse the store; training reads it as it is stored)"
+        )
     if checkpoint is not None:
         problems += check_checkpoint(Path(checkpoint), manifest)
     return problems, warnings
+
+
+def _checkpoint_state(folder: Path) -> Any:
+    """A checkpoint's state.json as JSON (None: it has none), read without the trainer's modules."""
+    try:
+        return read_json(folder / "state.json", what="checkpoint state", error=MopdError)
+    except FileNotFoundError:
+        return None
 
 
 def check_checkpoint(folder: Path, manifest: Manifest) -> list[str]:
@@ -386,8 +401,17 @@ def check_checkpoint(folder: Path, manifest: Manifest) -> list[str]:
     try:
         problems = check_complete(folder)
         recorded = read_teacher_list(folder)
+        state = _checkpoint_state(folder)
     except MopdError as err:
         return [str(err)]
+    run = state.get("run") if isinstance(state, dict) else None
+    # A checkpoint from before the encoding was recorded was trained on an exact store.
+    trained_on = run.get("store.encoding", "exact") if isinstance(run, dict) else "exact"
+    if trained_on != manifest.storage.encoding:
+        problems.append(
+            f"{folder} was trained on a store of encoding {trained_on!r}, this store's is "
+            f"{manifest.storage.encoding!r}: a resume on it is refused"
+        )
     return problems + diff_teacher_lists(
         store_teachers(manifest), recorded, expected_name="store", found_name="checkpoint"
     )

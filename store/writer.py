@@ -167,11 +167,13 @@ class StoreWriter:
             )
 
     @contextmanager
-    def task(self, task_id: str) -> Iterator[TaskOutput]:
+    def task(self, task_id: str, *, adopt: bool = False) -> Iterator[TaskOutput]:
         """Runs one task: yields its temporary output; on success publishes it and records the part.
 
         On an exception the temporary folder (owned by this call alone) is removed and nothing is
-        published.
+        published. With `adopt`, a folder another job published first is taken whatever it holds (a
+        fitted encoding: any job's fit is valid, but every job must use the same one), and the caller
+        reads it back.
         """
         spec = self._tasks[task_id]
         final = safe_relative(spec.path)
@@ -189,13 +191,16 @@ class StoreWriter:
             # The workspace is this call's alone, and publishing either happened or did not: safe to remove.
             self.location.discard(temp)
             raise
-        self._record(output, files, published, final)
+        self._record(output, files, published, final, adopt)
 
     def _record(
-        self, output: TaskOutput, files: dict[str, tuple[int, str]], published: bool, final: str
+        self, output: TaskOutput, files: dict[str, tuple[int, str]], published: bool, final: str, adopt: bool
     ) -> None:
         spec, temp = output.spec, output.folder
-        if not published:
+        if not published and adopt:
+            files = self.location.digests(final)
+            self.location.discard(temp)
+        elif not published:
             # Another job published this task first. Same bytes: adopt its folder. Otherwise refuse,
             # and leave both folders for a person to inspect (never clean up on doubt).
             if self.location.digests(final) != files:
@@ -274,7 +279,14 @@ def _describe_plan_mismatch(root: str, existing: Plan, new: Plan) -> str:
             f"teacher backend {', '.join(old_backends)} vs {', '.join(new_backends)}: a store is built "
             "with one backend throughout"
         )
-    if existing.storage != new.storage or existing.config != new.config:
+    old_encoding, new_encoding = existing.storage.encoding, new.storage.encoding
+    if old_encoding != new_encoding:
+        differences.append(
+            f"store.encoding {old_encoding} in the store, {new_encoding} in this job's config: a store's "
+            f"encoding is fixed by its first job; set store.encoding: {old_encoding} to finish it"
+        )
+    same_storage = existing.storage.model_copy(update={"encoding": new_encoding}) == new.storage
+    if not same_storage or existing.config != new.config:
         differences.append("precompute or storage settings")
     if existing.tokenizer != new.tokenizer:
         differences.append("tokenizer")

@@ -67,6 +67,8 @@ def _flatten(prefix: str, section: BaseModel, out: dict[str, Any]) -> None:
 # Recorded by earlier versions, no longer compared: the data order and the loss do not depend on the
 # number of data-parallel ranks (`data_order.py`), so a run resumes on another rank count.
 NO_LONGER_COMPARED = frozenset({"data_parallel_size"})
+# Recorded from a later version on: what a checkpoint that lacks them was trained with.
+RECORDED_LATER = {"store.encoding": "exact"}
 
 
 def run_record(tc: TrainConfig, manifest: Manifest) -> dict[str, Any]:
@@ -76,6 +78,7 @@ def run_record(tc: TrainConfig, manifest: Manifest) -> dict[str, Any]:
     fields = {k: v for k, v in fields.items() if not any(k == r or k.startswith(r + ".") for r in RESUMABLE)}
     fields["store.manifest_hash"] = manifest.hash()
     fields["store.dataset_fingerprint"] = manifest.dataset.fingerprint
+    fields["store.encoding"] = manifest.storage.encoding
     return dict(sorted(fields.items()))
 
 
@@ -83,7 +86,8 @@ def diff_run_records(recorded: dict[str, Any], current: dict[str, Any]) -> list[
     """One line per field whose value differs: `name: A in the checkpoint, B now`."""
     lines = []
     for name in sorted((set(recorded) | set(current)) - NO_LONGER_COMPARED):
-        old, new = recorded.get(name, "(not recorded)"), current.get(name, "(not set)")
+        old = recorded.get(name, RECORDED_LATER.get(name, "(not recorded)"))
+        new = current.get(name, "(not set)")
         if old != new:
             lines.append(f"{name}: {_show(old)} in the checkpoint, {_show(new)} now")
     return lines

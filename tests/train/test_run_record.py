@@ -102,6 +102,13 @@ def test_the_record_covers_every_setting_but_the_resumable_ones(world: World, tm
     # resumes on any other.
     assert "data_parallel_size" not in record
     assert diff_run_records({**record, "data_parallel_size": 2}, record) == []
+    # The store's encoding: a checkpoint from before it was recorded was trained on an exact store.
+    assert record["store.encoding"] == "exact"
+    earlier = {k: v for k, v in record.items() if k != "store.encoding"}
+    assert diff_run_records(earlier, record) == []
+    assert diff_run_records(earlier, {**record, "store.encoding": "int8-rotated"}) == [
+        "store.encoding: 'exact' in the checkpoint, 'int8-rotated' now"
+    ]
 
 
 def test_init_from_starts_a_new_run_from_a_checkpoints_weights(
