@@ -35,7 +35,7 @@ from mopd.store.transform import LogitTransform
 SEED = 20261206  # the rotation's seed, recorded with each store's encoding
 LEVELS = 127  # codes are symmetric: −127 … 127
 # Tokens of the teacher's first task that fit the mean, and the part of them that measures the KL.
-CALIBRATION_TOKENS = 16384
+CALIBRATION_TOKENS = 8192
 MEASURED_TOKENS = 2048
 
 

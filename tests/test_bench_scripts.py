@@ -60,3 +60,26 @@ def test_the_object_store_bench_runs_at_toy_size(tmp_path: Path) -> None:
     assert size["s3_0ms"].keys() == size["s3_5ms"].keys() >= size["disk"].keys()
     assert size["s3_5ms"]["requests"] > 0 and size["s3_0ms"]["store_mb"] == size["disk"]["store_mb"]
     assert all(0 <= size[place]["train_data_wait"] <= 1 for place in ("disk", "s3_0ms", "s3_5ms"))
+
+
+def test_the_lossy_bench_runs_at_toy_size(tmp_path: Path) -> None:
+    """bench/lossy.py on 4 quickstart rows per agent and 2 training steps: every tier reports its bytes,
+    speeds and KL from the fp32 store, the decode costs and both students' held-out divergences."""
+    out = tmp_path / "lossy.json"
+    toy = ["--rows-per-agent", "4", "--steps", "2", "--eval-rows", "4", "--workdir", str(tmp_path / "work")]
+    command = [sys.executable, "bench/lossy.py", *toy, "--out", str(out)]
+    subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=900)
+    payload = json.loads(out.read_text())
+    tiers = payload["tiers"]
+    assert list(tiers) == ["exact_fp32", "exact_bf16", "int8_bf16", "int8_fp32"]
+    assert tiers["exact_bf16"]["bytes_per_token_ratio"] == 1.0
+    assert tiers["int8_bf16"]["bytes_per_token"] == tiers["int8_fp32"]["bytes_per_token"]
+    for tier in ("exact_bf16", "int8_bf16", "int8_fp32"):
+        measured = tiers[tier]["vs_exact_fp32"]
+        assert 0 <= measured["kl_mean"] <= measured["kl_p99"] <= measured["kl_max"]
+        assert ("kl_mean_error_model" in measured) == tier.startswith("int8")
+    assert all(payload["decode"][f"{k}_s_per_token"] > 0 for k in ("encode", "loader", "folded"))
+    distilled = payload["distillation"]
+    assert [distilled[t]["steps"] for t in ("exact_bf16", "int8_bf16", "exact_fp32")] == [2, 2, 2]
+    assert distilled["exact_bf16"]["relative_difference_by_teacher"] == {"0": 0.0, "1": 0.0}
+    assert set(distilled["int8_bf16"]["relative_difference_by_teacher"]) == {"0", "1"}

@@ -94,3 +94,27 @@ def test_two_model_parallel_groups_share_the_tasks(config: Path, tmp_path: Path)
     # no-clobber, so one wins, and only it says so; the other finds the identical manifest.
     assert log.count("manifest written") == 1
     assert_fp32_equal(reference, open_store(store), "megatron")
+
+
+def test_an_int8_rotated_store_across_two_pipeline_stages(config: Path, tmp_path: Path) -> None:
+    """Both stages run each teacher's calibration forwards (only the writer fits and publishes the
+    encoding); every decoded state is the fp32 hf store's within the codes' rounding."""
+    reference = build(config, "hf", "float32")
+    raw = yaml.safe_load(config.read_text())
+    raw["store"] = {**raw["store"], "dtype": "float32", "encoding": "int8-rotated"}
+    coded_config = tmp_path / "int8.yaml"
+    coded_config.write_text(yaml.safe_dump(raw))
+    store = tmp_path / "int8.zarr"
+    log = torchrun_precompute(coded_config, store, nproc=2, tp=1, pp=2)
+    assert log.count("manifest written") == 1
+    coded = open_store(store)
+    assert [a.teacher for a in coded.manifest.encodings] == [0, 1, 2]
+    for i in range(reference.num_rows):
+        exact, decoded = reference.hidden(i), coded.hidden(i)
+        encoding = coded.encoding(coded.row(i).teacher_index)
+        assert encoding is not None
+        _, scales = encoding[0].encode(exact)
+        # Each rotated value is off by at most half its token's step s, so a token's state by s·√H/2;
+        # the two backends' fp32 forwards differ by far less (`test_megatron_store_equals_hf_store`).
+        bound = 0.5 * scales * exact.shape[1] ** 0.5 * 1.01 + 1e-4 * exact.norm(dim=1)
+        assert bool(((decoded - exact).norm(dim=1) <= bound).all()), i

@@ -1,0 +1,262 @@
+"""The int8-rotated store against the exact one on the quickstart, priced in nats, in one run.
+
+The quickstart's assets (SmolLM2-135M-Instruct from its wheel, its 16-layer cut, the 4-layer student, the
+rows of three agents; `mopd quickstart`'s, under --workdir) and four stores of the same rows:
+
+- tiers: `exact` float32 (the reference), `exact` bfloat16 (the default), `int8-rotated` read back in
+  bfloat16 and in float32. For each: bytes per token of the hidden-state shards on disk, precompute
+  tokens/s (one job, the teacher forward included) and read tokens/s (`hiddens` of every row, cold
+  cache), each with its ratio to the bfloat16 store's; and per token, KL(p‖q) at T = 1 between the teacher
+  distribution rebuilt from the float32 store and from the tier, from the logit difference without
+  cancellation (`encoding.logit_divergence`): mean, p99, max, and top-1 agreement; with the error model's
+  expected mean (`encoding.expected_kl`) beside the int8 tiers' measured one.
+- encode and decode: an int8-rotated shard's encode per token against the fp32 store's precompute time
+  per token (the fit of each teacher's encoding, a forward of its first 8,192 tokens, is a fixed cost
+  per job on top); its read's decode, in the loader (dequantise, un-rotate, add the mean) against folding
+  R into the teacher head (dequantise, add the rotated mean: the head becomes W·R), per token, against
+  the time per token of a training step of the quickstart.
+- distillation: the quickstart's training from the bfloat16 store, from the int8-rotated (bfloat16) store
+  and from the float32 store, the same steps; then each student's held-out divergence per teacher on the
+  exact bf16 store's held-out rows, against the *exact* teachers. The float32 store's student gives the
+  spread that a change of the teacher signal as small as a store's rounding makes after these steps.
+
+    python bench/lossy.py [--workdir DIR] [--rows-per-agent 48] [--steps 100] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mopd.cli.quickstart import FULL, Size, quickstart_config  # noqa: E402
+from mopd.cli.quickstart_assets import prepare_models, write_dataset  # noqa: E402
+from mopd.config.mopd_config import load_config  # noqa: E402
+from mopd.precompute.runner import run_precompute  # noqa: E402
+from mopd.store import open_store  # noqa: E402
+from mopd.store.chunks import clear_cache  # noqa: E402
+from mopd.store.encoding import expected_kl, logit_divergence  # noqa: E402
+from mopd.store.reader import TeacherStore  # noqa: E402
+from mopd.store.transform import LogitTransform  # noqa: E402
+from mopd.train.checkpoint import complete_checkpoints, load_weights  # noqa: E402
+from mopd.train.resume import init_checkpoint  # noqa: E402
+from mopd.train.session import open_session  # noqa: E402
+from mopd.train.trainer import held_out_rows, run_training  # noqa: E402
+
+TIERS = {  # name → (store.encoding, store.dtype)
+    "exact_fp32": ("exact", "float32"),
+    "exact_bf16": ("exact", "bfloat16"),
+    "int8_bf16": ("int8-rotated", "bfloat16"),
+    "int8_fp32": ("int8-rotated", "float32"),
+}
+BASELINE = "exact_bf16"
+QUIET = {"log": lambda *_: None}
+
+
+def tier_config(workdir: Path, size: Size, tier: str, steps: int) -> Path:
+    encoding, dtype = TIERS[tier]
+    raw = quickstart_config(size)
+    raw["store"] = {"path": f"{tier}.zarr", "dtype": dtype, "encoding": encoding}
+    raw["precompute"]["dtype"] = "float32"  # the reference is the fp32 teacher
+    raw["train"]["steps"] = steps
+    raw["train"]["eval"]["every"] = 0
+    raw["train"]["checkpoint"]["every"] = steps
+    raw["train"]["output_dir"] = f"{tier}-run"
+    path = workdir / f"{tier}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def shard_bytes_per_token(store: TeacherStore) -> float:
+    shards = store.manifest.shards
+    return sum(s.bytes for s in shards) / sum(s.tokens for s in shards)
+
+
+def read_throughput(store: TeacherStore) -> float:
+    clear_cache()
+    rows = np.arange(store.num_rows)
+    start = time.perf_counter()
+    states = store.hiddens(rows)
+    return sum(s.shape[0] for s in states) / (time.perf_counter() - start)
+
+
+def divergence(reference: TeacherStore, tier: TeacherStore) -> dict[str, Any]:
+    """Per token, KL(p‖q) of the tier's teacher distribution from the fp32 store's, and the error
+    model's expectation for an encoded tier."""
+    kl, agree, model = [], [], []
+    rows = np.arange(reference.num_rows)
+    teacher_of = reference.teacher_indices
+    for teacher in reference.teachers:
+        head = reference.lm_head(teacher.index).float()
+        transform = LogitTransform(teacher.logit_scale, teacher.final_logit_softcap)
+        mine = rows[teacher_of == teacher.index]
+        exact = torch.cat(reference.hiddens(mine)).float()
+        approx = torch.cat(tier.hiddens(mine)).float()
+        coded = tier.encoding(teacher.index)
+        for h, g in zip(exact.split(256), approx.split(256), strict=True):
+            logits = h @ head.T
+            token_kl, token_agree = logit_divergence(logits, (h - g) @ head.T, transform)
+            kl.append(token_kl)
+            agree.append(token_agree)
+            if coded is not None:
+                _, scales = coded[0].encode(h)
+                model.append(expected_kl(torch.softmax(logits.double(), dim=-1), head, scales))
+    kls = torch.cat(kl)
+    out = {
+        "tokens": int(kls.shape[0]),
+        "kl_mean": float(kls.mean()),
+        "kl_p99": float(torch.quantile(kls, 0.99)),
+        "kl_max": float(kls.max()),
+        "top1_agreement": float(torch.cat(agree).double().mean()),
+    }
+    if model:
+        out["kl_mean_error_model"] = float(torch.cat(model).mean())
+    return out
+
+
+def decode_costs(store: TeacherStore, repeats: int = 5) -> dict[str, float]:
+    """Seconds per token of an int8-rotated shard's encode, and of its decode: in the loader, and with R
+    folded into the head."""
+    teacher = store.teachers[0].index
+    encoding = store.encoding(teacher)
+    assert encoding is not None
+    rows = np.flatnonzero(store.teacher_indices == teacher)
+    exact = torch.cat(open_store(store.root).hiddens(rows)).float()
+    codes, scales = encoding[0].encode(exact)
+    rotated_mean = encoding[0].rotate(encoding[0].mean[None])[0]
+
+    def best(fn: Any) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times) / codes.shape[0]
+
+    return {
+        "tokens": int(codes.shape[0]),
+        "encode_s_per_token": best(lambda: encoding[0].encode(exact)),
+        "loader_s_per_token": best(lambda: encoding[0].decode(codes, scales)),
+        "folded_s_per_token": best(lambda: codes.float() * scales[:, None] + rotated_mean),
+    }
+
+
+DISTILLED = (BASELINE, "int8_bf16", "exact_fp32")  # the fp32 store: a change as small as storage gets
+
+
+def distil(workdir: Path, configs: dict[str, Path], tiers: tuple[str, ...] = DISTILLED) -> dict[str, Any]:
+    """Trains the quickstart's student from each of `tiers`' stores; each final student's held-out
+    divergence per teacher, against the exact bf16 store's teachers, and its difference from the bf16
+    store's student's."""
+    out: dict[str, Any] = {}
+    exact_store = workdir / f"{BASELINE}.zarr"
+    for tier in tiers:
+        config = load_config(configs[tier])
+        start = time.perf_counter()
+        result = run_training(config, resume=False, **QUIET)
+        train_s = time.perf_counter() - start
+        steps_s = [r for r in result.records if r.get("split", "train") == "train"]
+        checkpoint = complete_checkpoints(result.output / "checkpoints")[-1]
+        raw = yaml.safe_load(configs[tier].read_text())
+        raw["train"]["init_from"] = {"checkpoint": str(checkpoint)}
+        assert config.train is not None
+        held = held_out_rows(open_store(exact_store).num_rows, config.train.eval.rows, config.train.seed)
+        held_path = workdir / f"{tier}-heldout.yaml"
+        held_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+        evaluated = held_out_divergence(load_config(held_path), exact_store, held)
+        out[tier] = {
+            "steps": len(steps_s),
+            "train_s": train_s,
+            "train_tokens_per_s": sum(r["tokens"] for r in steps_s) / train_s,
+            "heldout_divergence_by_teacher": evaluated,
+        }
+    base = out[BASELINE]["heldout_divergence_by_teacher"]
+    for tier in tiers:
+        mine = out[tier]["heldout_divergence_by_teacher"]
+        out[tier]["relative_difference_by_teacher"] = {t: mine[t] / base[t] - 1 for t in base}
+    return out
+
+
+def held_out_divergence(config: Any, store: Path, rows: np.ndarray) -> dict[str, float]:
+    """The divergence per teacher of `config`'s `train.init_from` student over `rows` of `store`."""
+    with open_session(config, store_path=store, **QUIET) as session:
+        init = session.config.init_from
+        assert init is not None
+        found = init_checkpoint(init, layout=session.student.layout, world=session.world)
+        load_weights(found.folder, found.state, session.student, None, hyper_parameters=False)
+        return dict(session.evaluate(rows, step=0)["divergence_by_teacher"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, default=REPO.parent / "mopd-lossy")
+    parser.add_argument("--rows-per-agent", type=int, default=FULL.rows_per_agent)
+    parser.add_argument("--steps", type=int, default=FULL.steps)
+    parser.add_argument("--eval-rows", type=int, default=FULL.eval_rows, help="held-out rows")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "lossy.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    workdir = args.workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    size = Size("quickstart", args.rows_per_agent, args.steps, args.eval_rows, 0, FULL.global_batch_tokens)
+    prepare_models(workdir, lambda *_: None)
+    write_dataset(workdir / f"{size.name}.jsonl", size.rows_per_agent)
+    os.chdir(workdir)  # the quickstart's paths are relative to its folder
+    configs = {tier: tier_config(workdir, size, tier, args.steps) for tier in TIERS}
+    tiers: dict[str, Any] = {}
+    for tier, config in configs.items():
+        result = run_precompute(load_config(config), show_progress=False, **QUIET)
+        store = open_store(result.store)
+        tiers[tier] = {
+            "bytes_per_token": shard_bytes_per_token(store),
+            "precompute_tokens_per_s": result.tokens_per_s,
+            "read_tokens_per_s": read_throughput(store),
+        }
+        print(tier, json.dumps(tiers[tier]), flush=True)
+    reference = open_store(workdir / "exact_fp32.zarr")
+    for tier in TIERS:
+        if tier != "exact_fp32":
+            tiers[tier]["vs_exact_fp32"] = divergence(reference, open_store(workdir / f"{tier}.zarr"))
+        for key in ("bytes_per_token", "precompute_tokens_per_s", "read_tokens_per_s"):
+            tiers[tier][f"{key}_ratio"] = tiers[tier][key] / tiers[BASELINE][key]
+        print(tier, json.dumps(tiers[tier]), flush=True)
+    decode = decode_costs(open_store(workdir / "int8_bf16.zarr"))
+    distillation = distil(workdir, configs)
+    step_s_per_token = 1 / distillation[BASELINE]["train_tokens_per_s"]
+    decode["loader_share_of_step"] = decode["loader_s_per_token"] / step_s_per_token
+    decode["folded_share_of_step"] = decode["folded_s_per_token"] / step_s_per_token
+    forward_s_per_token = 1 / tiers["exact_fp32"]["precompute_tokens_per_s"]
+    decode["encode_share_of_precompute"] = decode["encode_s_per_token"] / forward_s_per_token
+    print("decode", json.dumps(decode), flush=True)
+    print("distillation", json.dumps(distillation), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "machine": platform.node(),
+                "cpus": os.cpu_count(),
+                "rows_per_agent": args.rows_per_agent,
+                "steps": args.steps,
+                "tiers": tiers,
+                "decode": decode,
+                "distillation": distillation,
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
