@@ -238,7 +238,7 @@ def run_encoding_task(
     output: Output, task: EncodingTask, teacher: TeacherModel, rows: TokenizedRows, batch_tokens: int
 ) -> None:
     """Fits the teacher's encoding on its first rows, as many as fit in `CALIBRATION_TOKENS` (at least
-    one), in the order of the teacher's first shard task."""
+    one), batched as a shard's rows are."""
     row_ids = np.flatnonzero(rows.teacher_index == task.teacher)
     lengths = rows.lengths[row_ids]
     row_ids = row_ids[: max(1, int(np.searchsorted(np.cumsum(lengths), CALIBRATION_TOKENS, side="right")))]

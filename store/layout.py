@@ -46,7 +46,6 @@ INPUT_IDS, LOSS_MASK, OFFSETS, TEACHER_INDEX, SOURCE_KEY = (
 HIDDEN, ROW_IDS = "hidden", "row_ids"
 CODES, SCALES = "codes", "scales"
 MEAN, SIGNS, MIX = "mean", "signs", "mix"
-CALIBRATION_FILE = "calibration.json"  # an encoding task's `EncodingInfo`
 HEAD = ""  # an LM-head task's folder is itself the array
 
 

@@ -40,6 +40,7 @@ from pydantic import (
 
 from mopd.base.errors import ManifestError, StoreIncompleteError
 from mopd.base.jsonio import MAX_RECORD_BYTES, describe_location, parse_json
+from mopd.store.files import Recorded
 from mopd.store.legacy import upgrade_v1_manifest, upgrade_v1_part, upgrade_v1_plan
 from mopd.store.locations import Location, open_location
 
@@ -53,6 +54,7 @@ EXACT, INT8_ROTATED = "exact", "int8-rotated"
 KNOWN_FEATURES: frozenset[str] = frozenset({INT8_ROTATED})
 
 MANIFEST_FILE = "manifest.json"
+CALIBRATION_FILE = "calibration.json"  # an encoding task's `EncodingInfo`, in its folder
 PLAN_FILE = "_plan.json"
 PARTS_DIR = "_parts"
 
@@ -360,6 +362,18 @@ def parse_calibration(data: bytes, path: str | Path) -> EncodingInfo:
     raw = parse_json(data, what=f"calibration record {path}", error=ManifestError)
     info: EncodingInfo = _validate(EncodingInfo, raw, path, "calibration record")
     return info
+
+
+def read_calibration(location: Location, folder: str, part: PartRecord) -> EncodingInfo:
+    """An encoding task's calibration record, proved to be the one its part record lists.
+
+    Raises:
+        StoreIntegrityError: it is not.
+    """
+    key = f"{folder}/{CALIBRATION_FILE}"
+    data = read_record(location, key, "calibration record")
+    Recorded(part.files, bound=True).check(CALIBRATION_FILE, data, location.describe(key))
+    return parse_calibration(data, location.describe(key))
 
 
 def parse_plan(data: bytes, path: str | Path) -> Plan:

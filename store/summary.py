@@ -7,15 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mopd.store.arrays import storage_dtype
-from mopd.store.files import Recorded
-from mopd.store.layout import CALIBRATION_FILE
 from mopd.store.locations import Location, open_location
 from mopd.store.manifest import (
     EncodingInfo,
     Manifest,
-    parse_calibration,
     parse_part,
     part_key,
+    read_calibration,
     read_manifest,
     read_record,
 )
@@ -72,10 +70,7 @@ def calibration(location: Location, manifest: Manifest, teacher: int) -> Encodin
         return None
     part_path = location.describe(part_key(artifact.task_id))
     part = parse_part(read_record(location, part_key(artifact.task_id), "part record"), part_path)
-    key = f"{artifact.path}/{CALIBRATION_FILE}"
-    data = read_record(location, key, "calibration record")
-    Recorded(part.files, bound=True).check(CALIBRATION_FILE, data, location.describe(key))
-    return parse_calibration(data, location.describe(key))
+    return read_calibration(location, artifact.path, part)
 
 
 def summarise_store(root: str | Path) -> StoreSummary:

@@ -14,7 +14,6 @@ from mopd.store.chunks import ArrayReader
 from mopd.store.encoding import Encoding
 from mopd.store.files import Recorded
 from mopd.store.layout import (
-    CALIBRATION_FILE,
     CODES,
     HIDDEN,
     INPUT_IDS,
@@ -34,14 +33,14 @@ from mopd.store.layout import (
 )
 from mopd.store.locations import Location
 from mopd.store.manifest import (
+    CALIBRATION_FILE,
     EXACT,
     INT8_ROTATED,
     EncodingInfo,
     HeadInfo,
     PartRecord,
     canonical_json,
-    parse_calibration,
-    read_record,
+    read_calibration,
 )
 from mopd.store.tensors import to_storage, torch_logical_dtype
 from mopd.store.writer import TaskOutput
@@ -122,15 +121,13 @@ def write_encoding(output: TaskOutput, encoding: Encoding, info: EncodingInfo) -
 def read_encoding(location: Location, folder: str, part: PartRecord) -> tuple[Encoding, EncodingInfo]:
     """A published encoding task's encoding and calibration record, each file proved to be the one its
     part record lists."""
-    record = safe_relative(f"{folder}/{CALIBRATION_FILE}")
-    data = read_record(location, record, "calibration record")
-    Recorded(part.files, bound=True).check(CALIBRATION_FILE, data, location.describe(record))
+    info = read_calibration(location, folder, part)
     arrays = []
     for name in (MEAN, SIGNS, MIX):
         key = safe_relative(f"{folder}/{name}")
         recorded = Recorded.of(part.files, name, bound=True)
         arrays.append(ArrayReader(location, key, label=key, recorded=recorded).read())
-    return Encoding.of(*arrays), parse_calibration(data, location.describe(record))
+    return Encoding.of(*arrays), info
 
 
 class HiddenShardWriter:

@@ -22,8 +22,8 @@ from mopd.precompute.runner import run_precompute
 from mopd.store import open_store
 from mopd.store.chunks import clear_cache
 from mopd.store.encoding import Calibration, expected_kl, kl_bound, logit_divergence
-from mopd.store.layout import CALIBRATION_FILE, CODES, MEAN
-from mopd.store.manifest import INT8_ROTATED, MANIFEST_FILE, PLAN_FILE, load_plan
+from mopd.store.layout import CODES, MEAN
+from mopd.store.manifest import CALIBRATION_FILE, INT8_ROTATED, MANIFEST_FILE, PLAN_FILE, load_plan
 from mopd.store.summary import summarise_store
 from mopd.store.transform import LogitTransform
 from mopd.store.verify import verify_store
