@@ -16,7 +16,7 @@ import pytest
 
 from mopd.base.fsio import file_digests, is_temporary
 from mopd.store.manifest import MANIFEST_FILE, PARTS_DIR
-from tests.precompute.conftest import four_aliases, write_config
+from tests.precompute.conftest import BACKENDS, four_aliases, write_config
 from tests.precompute.teachers import mixed_records, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,20 +48,22 @@ def store_contents(store: Path) -> dict[str, tuple[int, str]]:
     return digests
 
 
-@pytest.fixture
-def job_config(tmp_path: Path, tiny_teachers: dict[str, Path], backend: str) -> Path:
-    data = write_jsonl(tmp_path / "train.jsonl", mixed_records(40))
-    return write_config(
-        tmp_path,
-        four_aliases(tiny_teachers),
-        data=data,
-        precompute={"rows_per_task": 2, "backend": backend},
-    )
+@pytest.fixture(scope="module", params=BACKENDS)
+def one_job(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_teachers: dict[str, Path]
+) -> tuple[Path, Path]:
+    """A config over 40 rows, 2 rows a task, on each backend, and the store one uninterrupted job makes of
+    it (the reference of both tests: one run per backend, not one per test)."""
+    root = tmp_path_factory.mktemp(f"jobs-{request.param}")
+    data = write_jsonl(root / "train.jsonl", mixed_records(40))
+    precompute = {"rows_per_task": 2, "backend": request.param}
+    config = write_config(root, four_aliases(tiny_teachers), data=data, precompute=precompute)
+    run(precompute_cmd(config, root / "single.zarr"))
+    return config, root / "single.zarr"
 
 
-def test_three_jobs_in_any_order_equal_one_job(job_config: Path, tmp_path: Path) -> None:
-    single = tmp_path / "single.zarr"
-    run(precompute_cmd(job_config, single))
+def test_three_jobs_in_any_order_equal_one_job(one_job: tuple[Path, Path], tmp_path: Path) -> None:
+    job_config, single = one_job
     split = tmp_path / "split.zarr"
     for index in (2, 0, 1):
         log = run(precompute_cmd(job_config, split, "--num-tasks", "3", "--task-index", str(index)))
@@ -76,9 +78,8 @@ def test_three_jobs_in_any_order_equal_one_job(job_config: Path, tmp_path: Path)
     assert len(store_contents(single)) > 100
 
 
-def test_sigkill_at_random_points_then_resume(job_config: Path, tmp_path: Path) -> None:
-    reference = tmp_path / "reference.zarr"
-    run(precompute_cmd(job_config, reference))
+def test_sigkill_at_random_points_then_resume(one_job: tuple[Path, Path], tmp_path: Path) -> None:
+    job_config, reference = one_job
     total = len(list((reference / PARTS_DIR).glob("*.json")))
     store = tmp_path / "killed.zarr"
     rng = random.Random(1234)
