@@ -17,10 +17,15 @@ rows of three agents; `mopd quickstart`'s, under --workdir) and four stores of t
   the time per token of a training step of the quickstart.
 - distillation: the quickstart's training from the bfloat16 store, from the int8-rotated (bfloat16) store
   and from the float32 store, the same steps; then each student's held-out divergence per teacher on the
-  exact bf16 store's held-out rows, against the *exact* teachers. The float32 store's student gives the
-  spread that a change of the teacher signal as small as a store's rounding makes after these steps.
+  exact bf16 store's held-out rows, against the *exact* teachers, relative to the bf16 store's student.
+  The float32 store's student gives the spread that a change of the teacher signal as small as a store's
+  rounding makes after these steps. Every arm is trained under --seeds `train.seed`s (another data order
+  and other held-out rows); each arm's relative difference is reported per seed and as a mean with its
+  standard error, telling a bias from the seeds' spread. --lr trains at another learning rate;
+  --distillation-only trains from the stores a full run left in --workdir.
 
-    python bench/lossy.py [--workdir DIR] [--rows-per-agent 48] [--steps 100] [--out FILE.json]
+    python bench/lossy.py [--workdir DIR] [--rows-per-agent 48] [--steps 100] [--seeds 3] [--lr LR]
+                          [--distillation-only] [--out FILE]
 """
 
 from __future__ import annotations
@@ -65,9 +70,11 @@ BASELINE = "exact_bf16"
 QUIET = {"log": lambda *_: None}
 
 
-def tier_config(workdir: Path, size: Size, tier: str, steps: int) -> Path:
+def tier_config(workdir: Path, size: Size, tier: str, steps: int, lr: float | None) -> Path:
     encoding, dtype = TIERS[tier]
     raw = quickstart_config(size)
+    if lr is not None:
+        raw["train"]["optim"]["lr"] = lr
     raw["store"] = {"path": f"{tier}.zarr", "dtype": dtype, "encoding": encoding}
     raw["precompute"]["dtype"] = "float32"  # the reference is the fp32 teacher
     raw["train"]["steps"] = steps
@@ -156,37 +163,65 @@ def decode_costs(store: TeacherStore, repeats: int = 5) -> dict[str, float]:
 DISTILLED = (BASELINE, "int8_bf16", "exact_fp32")  # the fp32 store: a change as small as storage gets
 
 
-def distil(workdir: Path, configs: dict[str, Path], tiers: tuple[str, ...] = DISTILLED) -> dict[str, Any]:
-    """Trains the quickstart's student from each of `tiers`' stores; each final student's held-out
-    divergence per teacher, against the exact bf16 store's teachers, and its difference from the bf16
-    store's student's."""
-    out: dict[str, Any] = {}
-    exact_store = workdir / f"{BASELINE}.zarr"
-    for tier in tiers:
-        config = load_config(configs[tier])
-        start = time.perf_counter()
-        result = run_training(config, resume=False, **QUIET)
-        train_s = time.perf_counter() - start
-        steps_s = [r for r in result.records if r.get("split", "train") == "train"]
-        checkpoint = complete_checkpoints(result.output / "checkpoints")[-1]
-        raw = yaml.safe_load(configs[tier].read_text())
-        raw["train"]["init_from"] = {"checkpoint": str(checkpoint)}
-        assert config.train is not None
-        held = held_out_rows(open_store(exact_store).num_rows, config.train.eval.rows, config.train.seed)
-        held_path = workdir / f"{tier}-heldout.yaml"
-        held_path.write_text(yaml.safe_dump(raw, sort_keys=False))
-        evaluated = held_out_divergence(load_config(held_path), exact_store, held)
-        out[tier] = {
-            "steps": len(steps_s),
-            "train_s": train_s,
-            "train_tokens_per_s": sum(r["tokens"] for r in steps_s) / train_s,
-            "heldout_divergence_by_teacher": evaluated,
+def distil(workdir: Path, configs: dict[str, Path], seeds: int) -> dict[str, Any]:
+    """Trains the quickstart's student from each of DISTILLED's stores under each `train.seed` in
+    0..seeds-1 (another data order and other held-out rows); each final student's held-out divergence per
+    teacher against the exact bf16 store's teachers, its relative difference from the bf16 store's
+    student of the same seed, and per tier the mean and standard error of those differences."""
+    by_seed: dict[str, dict[str, Any]] = {}
+    for seed in range(seeds):
+        by_seed[str(seed)] = {tier: distil_one(workdir, configs[tier], tier, seed) for tier in DISTILLED}
+    return {"by_seed": by_seed, "relative_difference_by_teacher": relative_differences(by_seed)}
+
+
+def relative_differences(by_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Sets each arm's held-out divergence relative to the bf16 store's arm of its seed; per arm other
+    than that one and per teacher, the mean of those differences over the seeds that trained the arm
+    and its standard error."""
+    for arms in by_seed.values():
+        base = arms[BASELINE]["heldout_divergence_by_teacher"]
+        for arm in arms.values():
+            mine = arm["heldout_divergence_by_teacher"]
+            arm["relative_difference_by_teacher"] = {t: mine[t] / base[t] - 1 for t in base}
+    summary: dict[str, Any] = {}
+    for tier in DISTILLED[1:]:
+        trained = [by_seed[s][tier]["relative_difference_by_teacher"] for s in by_seed if tier in by_seed[s]]
+        differences = np.array([list(d.values()) for d in trained])
+        teachers = list(trained[0])
+        n = len(trained)
+        spread = differences.std(axis=0, ddof=1) / np.sqrt(n) if n > 1 else [None] * len(teachers)
+        summary[tier] = {  # one seed has no standard error: null
+            t: {"seeds": n, "mean": float(m), "standard_error": None if e is None else float(e)}
+            for t, m, e in zip(teachers, differences.mean(axis=0), spread, strict=True)
         }
-    base = out[BASELINE]["heldout_divergence_by_teacher"]
-    for tier in tiers:
-        mine = out[tier]["heldout_divergence_by_teacher"]
-        out[tier]["relative_difference_by_teacher"] = {t: mine[t] / base[t] - 1 for t in base}
-    return out
+    return summary
+
+
+def distil_one(workdir: Path, tier_config: Path, tier: str, seed: int) -> dict[str, Any]:
+    """One training of the quickstart's student from `tier`'s store under `train.seed` = `seed`; the final
+    student's held-out divergence per teacher on the exact bf16 store."""
+    raw = yaml.safe_load(tier_config.read_text())
+    raw["train"]["seed"] = seed
+    raw["train"]["output_dir"] = f"{tier}-seed{seed}-run"
+    seeded = workdir / f"{tier}-seed{seed}.yaml"
+    seeded.write_text(yaml.safe_dump(raw, sort_keys=False))
+    config = load_config(seeded)
+    start = time.perf_counter()
+    result = run_training(config, resume=False, **QUIET)
+    train_s = time.perf_counter() - start
+    steps = [r for r in result.records if r.get("split", "train") == "train"]
+    raw["train"]["init_from"] = {"checkpoint": str(complete_checkpoints(result.output / "checkpoints")[-1])}
+    evaluated = workdir / f"{tier}-seed{seed}-heldout.yaml"
+    evaluated.write_text(yaml.safe_dump(raw, sort_keys=False))
+    exact_store = workdir / f"{BASELINE}.zarr"
+    held = held_out_rows(open_store(exact_store).num_rows, raw["train"]["eval"]["rows"], seed)
+    print(tier, "seed", seed, f"trained in {train_s:.0f} s", flush=True)
+    return {
+        "steps": len(steps),
+        "train_s": train_s,
+        "train_tokens_per_s": sum(r["tokens"] for r in steps) / train_s,
+        "heldout_divergence_by_teacher": held_out_divergence(load_config(evaluated), exact_store, held),
+    }
 
 
 def held_out_divergence(config: Any, store: Path, rows: np.ndarray) -> dict[str, float]:
@@ -199,22 +234,9 @@ def held_out_divergence(config: Any, store: Path, rows: np.ndarray) -> dict[str,
         return dict(session.evaluate(rows, step=0)["divergence_by_teacher"])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workdir", type=Path, default=REPO.parent / "mopd-lossy")
-    parser.add_argument("--rows-per-agent", type=int, default=FULL.rows_per_agent)
-    parser.add_argument("--steps", type=int, default=FULL.steps)
-    parser.add_argument("--eval-rows", type=int, default=FULL.eval_rows, help="held-out rows")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "lossy.json")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    workdir = args.workdir.resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
-    size = Size("quickstart", args.rows_per_agent, args.steps, args.eval_rows, 0, FULL.global_batch_tokens)
-    prepare_models(workdir, lambda *_: None)
-    write_dataset(workdir / f"{size.name}.jsonl", size.rows_per_agent)
-    os.chdir(workdir)  # the quickstart's paths are relative to its folder
-    configs = {tier: tier_config(workdir, size, tier, args.steps) for tier in TIERS}
+def measure_tiers(workdir: Path, configs: dict[str, Path]) -> dict[str, Any]:
+    """Each tier's store made by one job: bytes, precompute and read speeds, and the KL from the fp32
+    store's teacher distributions."""
     tiers: dict[str, Any] = {}
     for tier, config in configs.items():
         result = run_precompute(load_config(config), show_progress=False, **QUIET)
@@ -232,30 +254,54 @@ def main() -> None:
         for key in ("bytes_per_token", "precompute_tokens_per_s", "read_tokens_per_s"):
             tiers[tier][f"{key}_ratio"] = tiers[tier][key] / tiers[BASELINE][key]
         print(tier, json.dumps(tiers[tier]), flush=True)
-    decode = decode_costs(open_store(workdir / "int8_bf16.zarr"))
-    distillation = distil(workdir, configs)
-    step_s_per_token = 1 / distillation[BASELINE]["train_tokens_per_s"]
-    decode["loader_share_of_step"] = decode["loader_s_per_token"] / step_s_per_token
-    decode["folded_share_of_step"] = decode["folded_s_per_token"] / step_s_per_token
-    forward_s_per_token = 1 / tiers["exact_fp32"]["precompute_tokens_per_s"]
-    decode["encode_share_of_precompute"] = decode["encode_s_per_token"] / forward_s_per_token
-    print("decode", json.dumps(decode), flush=True)
-    print("distillation", json.dumps(distillation), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "machine": platform.node(),
-                "cpus": os.cpu_count(),
-                "rows_per_agent": args.rows_per_agent,
-                "steps": args.steps,
-                "tiers": tiers,
-                "decode": decode,
-                "distillation": distillation,
-            },
-            indent=1,
-        )
+    return tiers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, default=REPO.parent / "mopd-lossy")
+    parser.add_argument("--rows-per-agent", type=int, default=FULL.rows_per_agent)
+    parser.add_argument("--steps", type=int, default=FULL.steps)
+    parser.add_argument("--eval-rows", type=int, default=FULL.eval_rows, help="held-out rows")
+    parser.add_argument("--seeds", type=int, default=3, help="train.seed 0..N-1 for every distilled arm")
+    parser.add_argument("--lr", type=float, default=None, help="train.optim.lr (default: the quickstart's)")
+    parser.add_argument(
+        "--distillation-only", action="store_true", help="train from the stores a full run left in --workdir"
     )
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "lossy.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    workdir = args.workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    size = Size("quickstart", args.rows_per_agent, args.steps, args.eval_rows, 0, FULL.global_batch_tokens)
+    if not args.distillation_only:
+        prepare_models(workdir, lambda *_: None)
+        write_dataset(workdir / f"{size.name}.jsonl", size.rows_per_agent)
+    os.chdir(workdir)  # the quickstart's paths are relative to its folder
+    configs = {tier: tier_config(workdir, size, tier, args.steps, args.lr) for tier in TIERS}
+    payload: dict[str, Any] = {
+        "machine": platform.node(),
+        "cpus": os.cpu_count(),
+        "rows_per_agent": args.rows_per_agent,
+        "steps": args.steps,
+        "lr": load_config(configs[BASELINE]).train.optim.lr,
+        "seeds": args.seeds,
+    }
+    if not args.distillation_only:
+        payload["tiers"] = measure_tiers(workdir, configs)
+        payload["decode"] = decode_costs(open_store(workdir / "int8_bf16.zarr"))
+    payload["distillation"] = distillation = distil(workdir, configs, args.seeds)
+    print("distillation", json.dumps(distillation), flush=True)
+    if not args.distillation_only:
+        decode, tiers = payload["decode"], payload["tiers"]
+        step_s_per_token = 1 / distillation["by_seed"]["0"][BASELINE]["train_tokens_per_s"]
+        decode["loader_share_of_step"] = decode["loader_s_per_token"] / step_s_per_token
+        decode["folded_share_of_step"] = decode["folded_s_per_token"] / step_s_per_token
+        forward_s_per_token = 1 / tiers["exact_fp32"]["precompute_tokens_per_s"]
+        decode["encode_share_of_precompute"] = decode["encode_s_per_token"] / forward_s_per_token
+        print("decode", json.dumps(decode), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(payload, indent=1))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.tolerance import BF16_U, bf16_trajectory_rtol
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,9 +66,11 @@ def test_the_object_store_bench_runs_at_toy_size(tmp_path: Path) -> None:
 
 def test_the_lossy_bench_runs_at_toy_size(tmp_path: Path) -> None:
     """bench/lossy.py on 4 quickstart rows per agent and 2 training steps: every tier reports its bytes,
-    speeds and KL from the fp32 store, the decode costs and both students' held-out divergences."""
+    speeds and KL from the fp32 store, the decode costs, and the students' held-out divergences under two
+    seeds, with the int8 arm's mean difference and its standard error over them."""
     out = tmp_path / "lossy.json"
-    toy = ["--rows-per-agent", "4", "--steps", "2", "--eval-rows", "4", "--workdir", str(tmp_path / "work")]
+    toy = ["--rows-per-agent", "4", "--steps", "2", "--eval-rows", "4", "--seeds", "2"]
+    toy += ["--workdir", str(tmp_path / "work")]
     command = [sys.executable, "bench/lossy.py", *toy, "--out", str(out)]
     subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=900)
     payload = json.loads(out.read_text())
@@ -79,7 +83,17 @@ def test_the_lossy_bench_runs_at_toy_size(tmp_path: Path) -> None:
         assert 0 <= measured["kl_mean"] <= measured["kl_p99"] <= measured["kl_max"]
         assert ("kl_mean_error_model" in measured) == tier.startswith("int8")
     assert all(payload["decode"][f"{k}_s_per_token"] > 0 for k in ("encode", "loader", "folded"))
-    distilled = payload["distillation"]
-    assert [distilled[t]["steps"] for t in ("exact_bf16", "int8_bf16", "exact_fp32")] == [2, 2, 2]
-    assert distilled["exact_bf16"]["relative_difference_by_teacher"] == {"0": 0.0, "1": 0.0}
-    assert set(distilled["int8_bf16"]["relative_difference_by_teacher"]) == {"0", "1"}
+    by_seed = payload["distillation"]["by_seed"]
+    assert {s: list(arms) for s, arms in by_seed.items()} == {
+        s: ["exact_bf16", "int8_bf16", "exact_fp32"] for s in ("0", "1")
+    }
+    assert all(arm["steps"] == 2 for arms in by_seed.values() for arm in arms.values())
+    assert by_seed["1"]["exact_bf16"]["relative_difference_by_teacher"] == {"0": 0.0, "1": 0.0}
+    summary = payload["distillation"]["relative_difference_by_teacher"]
+    differences = [by_seed[s]["int8_bf16"]["relative_difference_by_teacher"]["1"] for s in ("0", "1")]
+    assert summary["int8_bf16"]["1"]["seeds"] == summary["exact_fp32"]["1"]["seeds"] == 2
+    # The same two float64 numbers summed in another order: a few ulps apart at most (approx's 1e-6).
+    assert summary["int8_bf16"]["1"]["mean"] == pytest.approx(sum(differences) / 2)
+    assert summary["int8_bf16"]["1"]["standard_error"] == pytest.approx(
+        abs(differences[0] - differences[1]) / 2
+    )
