@@ -197,10 +197,10 @@ def relative_differences(by_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
-def distil_one(workdir: Path, tier_config: Path, tier: str, seed: int) -> dict[str, Any]:
+def distil_one(workdir: Path, config_path: Path, tier: str, seed: int) -> dict[str, Any]:
     """One training of the quickstart's student from `tier`'s store under `train.seed` = `seed`; the final
     student's held-out divergence per teacher on the exact bf16 store."""
-    raw = yaml.safe_load(tier_config.read_text())
+    raw = yaml.safe_load(config_path.read_text())
     raw["train"]["seed"] = seed
     raw["train"]["output_dir"] = f"{tier}-seed{seed}-run"
     seeded = workdir / f"{tier}-seed{seed}.yaml"
