@@ -81,7 +81,13 @@ def open_ingested(folder: Path) -> TokenizedRows:
 
 def _remove_stale(cache: Path) -> None:
     for path in cache.iterdir() if cache.is_dir() else ():
-        if is_temporary(path.name) and time.time() - path.stat().st_mtime > _STALE_SECONDS:
+        if not is_temporary(path.name):
+            continue
+        try:
+            age = time.time() - path.stat().st_mtime
+        except FileNotFoundError:  # another job published or removed it since the listing
+            continue
+        if age > _STALE_SECONDS:
             shutil.rmtree(path, ignore_errors=True)
 
 

@@ -187,3 +187,21 @@ def test_a_second_ingest_reads_the_first_ones_rows(tmp_path: Path, tokenizer) ->
     write_jsonl(source, [{"agent": "a", "text": "other"}])
     assert run().num_rows == 1
     assert len(list((tmp_path / "cache").iterdir())) == 3
+
+
+def test_a_temporary_published_while_the_cache_is_listed_is_no_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Jobs of one store ingest at once: a job sweeping the cache for stale temporaries lists another
+    job's temporary, which that job renames into place before the sweep looks at its age. The sweep
+    goes on (and still removes a temporary left by a killed job an hour ago)."""
+    from mopd.precompute import ingest as ingest_module
+
+    cache = tmp_path / "cache"
+    stale = cache / f"k1.tmp-{'0' * 32}"
+    stale.mkdir(parents=True)
+    os.utime(stale, (0, 0))
+    published = cache / f"k2.tmp-{'1' * 32}"  # listed, then gone: renamed to its key by its job
+    monkeypatch.setattr(Path, "iterdir", lambda self: iter([published, stale]))
+    ingest_module._remove_stale(cache)
+    assert not stale.exists()
