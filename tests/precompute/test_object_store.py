@@ -59,11 +59,20 @@ def jobs(config: Path, store: str, count: int) -> list[subprocess.CompletedProce
     return [subprocess.CompletedProcess(p.args, p.wait(300), *p.communicate()) for p in procs]
 
 
+def failures(finished: list[subprocess.CompletedProcess[str]]) -> str:
+    """The exit code and the end of the log of each job that failed."""
+    return "\n".join(
+        f"job {i} exited {job.returncode}:\n{job.stderr[-3000:]}"
+        for i, job in enumerate(finished)
+        if job.returncode
+    )
+
+
 def test_three_jobs_into_a_bucket_make_the_store_on_disk(setup: tuple[Path, Path], s3_bucket: str) -> None:
     config, on_disk = setup
     store = f"{s3_bucket}/teachers.zarr"
     finished = jobs(config, store, 3)
-    assert all(job.returncode == 0 for job in finished), [job.stderr[-800:] for job in finished]
+    assert all(job.returncode == 0 for job in finished), failures(finished)
     assert sum("manifest written" in job.stderr for job in finished) == 1
     # Every object is the file on disk (the tokenised rows stay on the machine that made them: a bucket
     # holds their ingest record only), and the manifests are the same store.
