@@ -286,3 +286,19 @@ def load_stage(
         )
     load_state(model, state)
     return model.to(group.device), shape
+
+
+def release_checkpoint_writer() -> None:
+    """Ends the process megatron-core's checkpoint writer keeps after a save.
+
+    Its `FileSystemWriterAsync` collects the writers' results through a multiprocessing manager — a
+    process of its own, ~270 MB — made at the first save and kept in a module global for the rest of the
+    process (megatron-core 0.16). A rank killed later (a fault, the OOM killer) would leave it running,
+    and a long-lived process (`mopd rounds`) keeps it idle; the next save makes a new one.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    results = filesystem_async._results_queue
+    if results is not None:
+        filesystem_async._results_queue = None
+        results._manager.shutdown()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from mopd.base.errors import ConfigError
 from mopd.mcore.cpu_compat import megatron_device
-from mopd.mcore.model import load_stage, load_state, stage_forward
+from mopd.mcore.model import load_stage, load_state, release_checkpoint_writer, stage_forward
 from mopd.mcore.parallel import ModelParallelGroup
 from mopd.store.manifest import Manifest
 from mopd.train.checkpoint import parameter_groups, whole_optimizer_state
@@ -154,6 +154,7 @@ class MegatronStudent:
         folder.mkdir(parents=True, exist_ok=True)
         with megatron_device(self.group.device):
             dist_checkpointing.save(state, str(folder))
+        release_checkpoint_writer()
 
     def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer | None) -> None:
         """Loads `save_sharded`'s state into this rank's stage and slice (bit-exact, whatever layout saved
