@@ -58,8 +58,18 @@ def crash_during(step: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Trainer, "train_step", crashing)
 
 
+@pytest.fixture
+def wandb_service() -> Iterator[None]:
+    """W&B's runs are served by a process of its own (`wandb-core`) that lives until the process that
+    started it ends; the test session lives on, so the service is stopped after the test."""
+    yield
+    import wandb
+
+    wandb.teardown()
+
+
 def test_trackers_hold_what_metrics_jsonl_holds_and_a_resume_appends(
-    world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wandb_service: None
 ) -> None:
     """Killed during step 4 (checkpoints every 2), then resumed: each tracker holds steps 1..4 with the
     losses of metrics.jsonl, in one tracker run (W&B's id and MLflow's kept in the checkpoint), and
