@@ -2,14 +2,18 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.distributed.harness import run_distributed
+from tests.test_processes import gone
 
 pytestmark = pytest.mark.distributed
 
@@ -36,6 +40,34 @@ def _lingers(rank: int, world_size: int) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=time.sleep, args=(3600,)).start()
     return os.getpid()
+
+
+_KEPT: list[object] = []
+
+
+def _keeps_a_manager(rank: int, world_size: int) -> int:
+    """What megatron-core's checkpoint writer does: a multiprocessing manager (a process of its own)
+    kept for the rank's lifetime."""
+    import multiprocessing
+
+    manager = multiprocessing.get_context("spawn").Manager()
+    _KEPT.append(manager)
+    return manager._process.pid  # type: ignore[attr-defined]
+
+
+def _starts_a_sleeper(rank: int, world_size: int) -> int:
+    """A child that nothing ends: the rank returns and leaves it running."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    _KEPT.append(child)
+    return child.pid
+
+
+@pytest.mark.parametrize("worker", [_keeps_a_manager, _starts_a_sleeper])
+def test_nothing_a_rank_started_outlives_the_run(worker: Callable[[int, int], int]) -> None:
+    """A rank's own children end with it: those its exit handlers stop (the manager) and those they do
+    not (its process group is ended)."""
+    (pid,) = run_distributed(worker, world_size=1, timeout=60)
+    assert gone(pid)
 
 
 def test_no_rank_outlives_the_run() -> None:
