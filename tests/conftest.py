@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-import tests.distributed.harness  # noqa: F401  (sets the forkserver's preload before any test starts it)
+import tests.forked  # noqa: F401  (sets the forkserver's preload before any test starts it)
 from tests.object_store import S3Server
 from tests.store.synthetic import StoreSpec, build_store, make_checkpoint
 from tests.train.world import World, build_world

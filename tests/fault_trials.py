@@ -13,7 +13,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from mopd.store.locations import open_location
 from mopd.store.manifest import MANIFEST_FILE
 from mopd.store.provenance import INGEST_DIR, INGEST_RECORD
 from mopd.train.metrics import METRICS_FILE, read_metrics
+from tests.mopd_process import MopdProcess, run_mopd_process
 
 REPO = Path(__file__).resolve().parents[1]
 # Every kill point of a precompute's commit path, in the order a task passes them.
@@ -42,18 +42,11 @@ CHECKPOINT_POINTS = ("checkpoint-written", "checkpoint-fsynced", "checkpoint-ren
 
 
 def cli(args: list[str], *, fault: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m mopd.cli ARGS` with MOPD_FAULT set to `fault` (or unset)."""
+    """`mopd ARGS` in a process of its own, with MOPD_FAULT set to `fault` (or unset)."""
     env = {k: v for k, v in os.environ.items() if k != "MOPD_FAULT"}
     if fault:
         env["MOPD_FAULT"] = fault
-    return subprocess.run(
-        [sys.executable, "-m", "mopd.cli", *args],
-        cwd=REPO,
-        env={**env, "COLUMNS": "200"},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_mopd_process(args, cwd=REPO, env={**env, "COLUMNS": "200"}, timeout=timeout)
 
 
 def store_contents(store: Path | str, *, ingest_cache: bool = True) -> dict[str, Any]:
@@ -145,12 +138,7 @@ def kill_at_random(
 ) -> Outcome:
     """SIGKILL after a random moment within the run's usual duration, then rerun."""
     delay = rng.uniform(0.2, seconds)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mopd.cli", *precompute_args(config, store)],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = MopdProcess(precompute_args(config, store), cwd=REPO)
     time.sleep(delay)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
@@ -161,11 +149,8 @@ def two_jobs_at_once(config: Path, store: Path | str, reference: dict[str, Any])
     """Two jobs started together on the same tasks (a requeue, a duplicated array index): each task is
     published once, one manifest, which only the job that published it says it wrote; the reference
     store."""
-    args = [sys.executable, "-m", "mopd.cli", *precompute_args(config, store)]
-    procs = [
-        subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)
-    ]
-    errors = [p.communicate(timeout=300)[1].decode() for p in procs]
+    procs = [MopdProcess(precompute_args(config, store), cwd=REPO) for _ in range(2)]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
     if any(p.returncode != 0 for p in procs):
         return Outcome("two jobs", False, " | ".join(e[-300:] for e in errors))
     written = sum("manifest written" in e for e in errors)
@@ -334,11 +319,11 @@ def compare_runs(trial: str, run: Path, reference: list[dict[str, Any]]) -> Outc
 def kill_training(config: Path, run: Path, *, when: str, rng: random.Random) -> int:
     """Starts `mopd train` and SIGKILLs it: `when` is a kill point (`checkpoint-written:2`) or
     `step:N` (killed a random moment after step N's metrics line). Returns the process's exit code."""
-    args = [sys.executable, "-m", "mopd.cli", "train", str(config), "--output", str(run)]
+    args = ["train", str(config), "--output", str(run)]
     if not when.startswith("step:"):
-        return cli(args[3:], fault=f"kill@{when}").returncode
+        return cli(args, fault=f"kill@{when}").returncode
     after = int(when.split(":")[1])
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = MopdProcess(args, cwd=REPO)
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:
         if (run / METRICS_FILE).exists() and len(train_records(run)) >= after:

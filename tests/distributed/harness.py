@@ -1,75 +1,49 @@
-"""The one multi-process harness: fresh rank processes, gloo, a file rendezvous, a timeout that names the
-hung rank, and nothing left running afterwards.
+"""The one multi-process harness: gloo ranks in fresh processes, a file rendezvous, a timeout that names
+the hung rank, and nothing left running afterwards.
 
     results = run_distributed(worker, world_size=2, args=(x,))
 
-`worker(rank, world_size, *args)` runs in a new process with the default process group initialised
-(gloo, `file://` rendezvous in a private temp folder, so no free-port races); its return value
-(picklable) comes back to the parent in rank order, where the test compares them.
+`worker(rank, world_size, *args)` runs in a new process (forked from the test session's forkserver,
+`tests.forked`) with the default process group initialised (gloo, `file://` rendezvous in a private temp
+folder, so no free-port races); its return value (picklable) comes back to the parent in rank order,
+where the test compares them. When it returns, every rank and every process a rank started has ended.
 
-Ranks are forked from a forkserver that has imported torch, transformers, megatron-core and mopd once
-(`PRELOAD`): a new rank is a clean process (the server never computes, holds no thread and no process
-group) that starts in milliseconds instead of the 2–4 s those imports take in every spawned process —
-the suite starts a few hundred ranks. What the server cannot know is applied in each rank: the
-environment and working folder the test has when it calls, and torch's thread count.
+    log = run_mopd(["train", config], nproc=4)
+
+runs a `mopd` command on such ranks as `torchrun --nproc-per-node 4` would (torchrun's variables set, a
+failing rank stopping the others), without a launcher and a new interpreter per rank; `run_torchrun`
+is the real launcher, for the tests of launching itself.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import multiprocessing as mp
 import os
 import pickle
 import queue
 import re
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-# Imported once by the forkserver (megatron-core only where it is installed: the `megatron` extra).
-PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "transformers",
-    "mopd.train.trainer",
-    "mopd.precompute.runner",
-    *(["megatron.core"] if importlib.util.find_spec("megatron") else []),
-    "tests.distributed.harness",
-]
-_CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(PRELOAD)
+from tests.forked import CONTEXT, end_groups, start
+
 # How long a rank that has sent its result gets to end by itself, running its exit handlers (which stop
-# what it started: megatron-core's checkpoint writer keeps a multiprocessing manager process per rank);
-# after that its whole process group is ended.
+# what it started: megatron-core's checkpoint writer keeps a multiprocessing manager per rank); then its
+# whole process group is ended.
 EXIT_GRACE_S = 3.0
 
 
 def _entry(
-    worker: Callable[..., Any],
-    rank: int,
-    world_size: int,
-    init_file: str,
-    environment: dict[str, str],
-    args: tuple,
-    results: Any,
+    worker: Callable[..., Any], rank: int, world_size: int, init_file: str, args: tuple, results: Any
 ) -> None:
-    # Its own process group: whatever the rank starts can be ended with it (`_end`).
-    os.setpgrp()
-    os.environ.clear()
-    os.environ.update({"OMP_NUM_THREADS": "1", **environment})
-    # A spawned process sizes torch's thread pool from OMP_NUM_THREADS when it imports torch; the server
-    # imported torch before this rank's environment existed.
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         try:
@@ -83,32 +57,63 @@ def _entry(
         results.put((rank, "error", traceback.format_exc()))
 
 
-def _end(procs: list[Any], grace: float) -> None:
-    """Waits up to `grace` seconds for the ranks to end by themselves, then ends each rank's whole
-    process group: first SIGTERM (a trainer stops gracefully), SIGKILL 5 s later."""
-    deadline = time.monotonic() + grace
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        alive = [p for p in procs if _group_alive(p.pid)]
-        for p in alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, sig)
-        deadline = time.monotonic() + wait
-        for p in alive:
-            p.join(max(0.0, deadline - time.monotonic()))
-            while _group_alive(p.pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
+@dataclass
+class _Outcome:
+    results: dict[int, tuple[str, Any]]  # rank → ("ok", pickled value) or ("error", traceback)
+    died: dict[int, int]  # rank → exit code, for ranks that ended without a result
+    hung: list[int]  # ranks without a result at the timeout
 
 
-def _group_alive(pgid: int | None) -> bool:
-    if pgid is None:
-        return False
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def _run_world(
+    worker: Callable[..., Any],
+    world_size: int,
+    args: tuple,
+    *,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    stops: Callable[[str, Any], bool] = lambda status, _value: status == "error",
+) -> _Outcome:
+    """Runs the ranks until each has a result, one has a result that `stops` the world, one died, or
+    the timeout; then ends every rank (and what it started)."""
+    results = CONTEXT.Queue()
+    outcome = _Outcome({}, {}, [])
+    with tempfile.TemporaryDirectory() as folder:
+        init_file = str(Path(folder) / "rendezvous")
+        # One thread per rank unless the test's environment says otherwise: the ranks share the cores.
+        rank_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
+        procs = [
+            start(_entry, (worker, r, world_size, init_file, args, results), env=rank_env)
+            for r in range(world_size)
+        ]
+        deadline = time.monotonic() + timeout
+        grace = EXIT_GRACE_S
+        try:
+            while len(outcome.results) < world_size:
+                try:
+                    rank, status, value = results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    outcome.died = {
+                        r: p.exitcode
+                        for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in outcome.results
+                    }
+                    if outcome.died:
+                        break
+                    if time.monotonic() >= deadline:
+                        outcome.hung = [r for r in range(world_size) if r not in outcome.results]
+                        break
+                    continue
+                outcome.results[rank] = (status, value)
+                if stops(status, value):
+                    break
+            if len(outcome.results) < world_size:
+                grace = 0.0  # the others wait on the stopped rank's collectives
+        except BaseException:
+            grace = 0.0
+            raise
+        finally:
+            end_groups(procs, grace)
+    return outcome
 
 
 def run_distributed(
@@ -118,55 +123,90 @@ def run_distributed(
     every process a rank started, has ended when it returns.
 
     Raises:
-        AssertionError: a rank raised (its traceback is included), or "rank r hung" on timeout.
+        AssertionError: a rank raised (its traceback is included), died, or "rank r hung" on timeout.
     """
-    results = _CONTEXT.Queue()
-    environment = dict(os.environ)
-    with tempfile.TemporaryDirectory() as folder:
-        init_file = str(Path(folder) / "rendezvous")
-        # Not daemonic: what a rank runs may start processes of its own (megatron-core's checkpoint
-        # writer forks one per file); `_end` below ends every rank and its group however the run ends.
-        procs = [
-            _CONTEXT.Process(
-                target=_entry, args=(worker, r, world_size, init_file, environment, args, results)
-            )
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        outcome: dict[int, tuple[str, Any]] = {}
-        deadline = time.monotonic() + timeout
-        grace = EXIT_GRACE_S
-        try:
-            while len(outcome) < world_size:
-                try:
-                    rank, status, value = results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
-                    outcome[rank] = (status, value)
-                    if status == "error":
-                        grace = 0.0  # the others wait on the failed rank's collectives
-                        break
-                except queue.Empty:
-                    dead = [
-                        r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcome
-                    ]
-                    if dead:
-                        code = procs[dead[0]].exitcode
-                        raise AssertionError(f"rank {dead[0]} died with exit code {code}") from None
-                    if time.monotonic() >= deadline:
-                        hung = [r for r in range(world_size) if r not in outcome]
-                        raise AssertionError(
-                            f"rank {hung[0]} hung (no result after {timeout:.0f} s)"
-                        ) from None
-        except BaseException:
-            grace = 0.0
-            raise
-        finally:
-            _end(procs, grace)
-    errors = {r: v for r, (s, v) in outcome.items() if s == "error"}
+    outcome = _run_world(worker, world_size, args, timeout=timeout)
+    errors = {r: v for r, (s, v) in outcome.results.items() if s == "error"}
     if errors:
         rank = min(errors)
         raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
-    return [pickle.loads(outcome[r][1]) for r in range(world_size)]
+    if outcome.died:
+        rank = min(outcome.died)
+        raise AssertionError(f"rank {rank} died with exit code {outcome.died[rank]}")
+    if outcome.hung:
+        raise AssertionError(f"rank {outcome.hung[0]} hung (no result after {timeout:.0f} s)")
+    return [pickle.loads(outcome.results[r][1]) for r in range(world_size)]
+
+
+def _mopd_rank(rank: int, world_size: int, args: list[str], logs: str) -> int:
+    """`mopd ARGS` as a torchrun worker runs it (its variables set; the process group, which mopd finds
+    initialised, is the harness's), its stderr into LOGS/rank<r>.log; the exit code."""
+    from mopd.cli.main import cli
+
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "GROUP_RANK": "0",
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
+    )
+    with open(Path(logs) / f"rank{rank}.log", "w") as log:
+        sys.stderr.flush()
+        os.dup2(log.fileno(), 2)  # what the process writes to its stderr, C libraries included
+        try:
+            cli.main(args=args, prog_name="mopd")
+            return 0
+        except SystemExit as done:
+            return done.code if isinstance(done.code, int) else int(done.code is not None)
+        except BaseException:  # what a worker prints when an error escapes it
+            traceback.print_exc()
+            return 1
+        finally:
+            sys.stderr.flush()
+
+
+def run_mopd(
+    mopd_args: list[str],
+    *,
+    nproc: int,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+    fails: bool = False,
+) -> str:
+    """`mopd ARGS` on `nproc` gloo ranks, as `torchrun --nproc-per-node N -m mopd.cli ARGS` runs it (one
+    thread per rank unless OMP_NUM_THREADS says otherwise, `env` added to the environment; a rank that
+    fails or dies stops the others, as torchrun's agent does); returns every rank's stderr, in rank
+    order.
+
+    Raises:
+        AssertionError: a rank failed, died or hung (with the first traceback and the end of the logs);
+            with `fails`, every rank succeeded (a failing run returns).
+    """
+    with tempfile.TemporaryDirectory() as logs:
+        outcome = _run_world(
+            _mopd_rank,
+            nproc,
+            (mopd_args, logs),
+            timeout=timeout,
+            env=env,
+            stops=lambda status, value: status == "error" or pickle.loads(value) != 0,
+        )
+        log = "".join(
+            (Path(logs) / f"rank{r}.log").read_text() if (Path(logs) / f"rank{r}.log").exists() else ""
+            for r in range(nproc)
+        )
+    codes = {r: pickle.loads(v) for r, (s, v) in outcome.results.items() if s == "ok"}
+    failed = outcome.died or outcome.hung or any(codes.values()) or len(codes) < nproc
+    if fails:
+        if not failed:
+            raise AssertionError(f"mopd succeeded on every rank, a failure was expected:\n{log[-2000:]}")
+        return log
+    if failed:
+        summary = f"exit codes {codes}, died {outcome.died}, hung {outcome.hung}"
+        raise AssertionError(f"mopd failed ({summary})\n{first_failure(log)}\n...\n{log[-2000:]}")
+    return log
 
 
 def run_torchrun(

@@ -81,6 +81,23 @@ def test_results_come_back_in_rank_order() -> None:
     assert results == [[3.0, 3.0, 3.0]] * 2
 
 
+def _speaks(rank: int, world_size: int) -> bool:
+    print(f"rank {rank} on stdout", flush=True)
+    print(f"rank {rank} on stderr", file=sys.stderr, flush=True)
+    return os.getpgrp() == os.getpid()
+
+
+def test_ranks_write_into_the_tests_output_in_process_groups_of_their_own(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """What a rank prints is the calling test's output (shown when it fails), wherever the forkserver
+    started; each rank leads a process group (what it starts is ended with it)."""
+    assert run_distributed(_speaks, world_size=2) == [True, True]
+    out, err = capfd.readouterr()
+    assert {"rank 0 on stdout", "rank 1 on stdout"} <= set(out.splitlines())
+    assert {"rank 0 on stderr", "rank 1 on stderr"} <= set(err.splitlines())
+
+
 def test_hang_names_the_rank() -> None:
     with pytest.raises(AssertionError, match=r"rank [01] hung"):
         run_distributed(_rank_one_hangs, world_size=2, timeout=8)

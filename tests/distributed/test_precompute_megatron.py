@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +10,7 @@ import yaml
 
 from mopd.store import open_store
 from tests.distributed.harness import run_torchrun
+from tests.mopd_process import run_mopd_process
 from tests.precompute.conftest import routed_config
 from tests.precompute.stores import assert_fp32_equal, build
 from tests.precompute.teachers import make_tokenizer, save_teacher
@@ -70,13 +69,7 @@ def test_world_not_divisible_by_the_teacher_layout(config: Path, tmp_path: Path)
     raw["precompute"]["parallel"] = {"tp": 2, "pp": 1}
     variant = tmp_path / "tp2.yaml"
     variant.write_text(yaml.safe_dump(raw))
-    done = subprocess.run(
-        [sys.executable, "-m", "mopd.cli", "precompute", str(variant), "--backend", "megatron"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_mopd_process(["precompute", str(variant), "--backend", "megatron"], cwd=REPO, timeout=120)
     assert done.returncode == 1
     assert "precompute.parallel tp=2 × pp=1 does not divide the 1 ranks" in done.stderr
     assert "Traceback" not in done.stderr

@@ -7,8 +7,6 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import pytest
 
 from mopd.base.fsio import file_digests, is_temporary
 from mopd.store.manifest import MANIFEST_FILE, PARTS_DIR
+from tests.mopd_process import MopdProcess, run_mopd_process
 from tests.precompute.conftest import BACKENDS, four_aliases, write_config
 from tests.precompute.teachers import mixed_records, write_jsonl
 
@@ -24,13 +23,11 @@ pytestmark = pytest.mark.slow
 
 
 def precompute_cmd(config: Path, store: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "mopd.cli", "precompute", str(config), "--store", str(store), *args]
+    return ["precompute", str(config), "--store", str(store), *args]
 
 
 def run(cmd: list[str]) -> str:
-    proc = subprocess.run(
-        cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"}
-    )
+    proc = run_mopd_process(cmd, cwd=REPO, env={**os.environ, "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr
     return proc.stderr
 
@@ -85,9 +82,7 @@ def test_sigkill_at_random_points_then_resume(one_job: tuple[Path, Path], tmp_pa
     rng = random.Random(1234)
     kill_points = sorted(rng.sample(range(1, total - 3), 3))
     for k in kill_points:
-        proc = subprocess.Popen(
-            precompute_cmd(job_config, store), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        proc = MopdProcess(precompute_cmd(job_config, store), cwd=REPO)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
             parts = store / PARTS_DIR

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from tests.fault_trials import (
     two_jobs_at_once,
     two_teacher_config,
 )
+from tests.mopd_process import MopdProcess
 from tests.object_store import S3Server
 
 pytestmark = pytest.mark.slow
@@ -42,17 +42,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory, tiny_teachers: dict[str, Pat
 def jobs(config: Path, store: str, count: int) -> list[subprocess.CompletedProcess[str]]:
     """`count` jobs of one store at once, each its share of the tasks."""
     procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "mopd.cli",
-                *precompute_args(config, store, "--num-tasks", str(count), "--task-index", str(index)),
-            ],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        MopdProcess(
+            precompute_args(config, store, "--num-tasks", str(count), "--task-index", str(index)), cwd=REPO
         )
         for index in range(count)
     ]

@@ -20,6 +20,7 @@ from mopd.precompute.data import tokenize_dataset
 from mopd.precompute.records import load_records
 from mopd.precompute.teachers import load_tokenizer
 from mopd.rollout.runner import run_rollout
+from tests.mopd_process import run_mopd_process
 from tests.rollout.conftest import Models, chat_prompts, rollout_config, text_prompts
 
 PROVENANCE = {
@@ -194,31 +195,26 @@ def test_a_killed_rollout_resumes_to_the_same_bytes(models: Models, tmp_path: Pa
     """SIGKILL after the second part: no dataset at the output path, two whole parts kept; the rerun
     samples only the rest and writes the uninterrupted run's bytes. Parts of another rollout (another
     seed) are removed, not mixed in."""
-    import subprocess
-    import sys
-
     prompts = text_prompts(10)
     whole = roll(tmp_path / "whole", models, prompts, prompts_per_part=3)
     config = rollout_config(tmp_path / "killed", models, prompts, prompts_per_part=3)
     output = tmp_path / "killed" / "samples.parquet"
-    command = [sys.executable, "-m", "mopd.cli", "rollout", str(config)]
-    killed = subprocess.run(command, env={**os.environ, "MOPD_FAULT": "kill@samples-renamed:2"}, check=False)
+    command = ["rollout", str(config)]
+    killed = run_mopd_process(command, env={**os.environ, "MOPD_FAULT": "kill@samples-renamed:2"})
     assert killed.returncode == -9
     parts = output.with_name("samples.parquet.parts")
     assert not output.exists() and sorted(p.name for p in parts.glob("part-*")) == [
         "part-000000.parquet",
         "part-000001.parquet",
     ]
-    rerun = subprocess.run(command, capture_output=True, text=True, check=False)
+    rerun = run_mopd_process(command)
     assert rerun.returncode == 0, rerun.stderr
     assert "resuming; 2 of 4 parts are already written" in rerun.stderr
     assert output.read_bytes() == whole.read_bytes() and not parts.exists()
 
     other = rollout_config(tmp_path / "restart", models, prompts, prompts_per_part=3, seed=5)
-    first = subprocess.run(
-        [sys.executable, "-m", "mopd.cli", "rollout", str(other)],
-        env={**os.environ, "MOPD_FAULT": "kill@samples-renamed:1"},
-        check=False,
+    first = run_mopd_process(
+        ["rollout", str(other)], env={**os.environ, "MOPD_FAULT": "kill@samples-renamed:1"}
     )
     assert first.returncode == -9
     lines: list[str] = []

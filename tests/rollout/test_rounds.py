@@ -7,7 +7,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 from unittest.mock import ANY
@@ -23,6 +22,7 @@ from mopd.config.mopd_config import load_config
 from mopd.rollout.rounds import Rounds, run_rounds
 from mopd.train.checkpoint import complete_checkpoints
 from mopd.train.tracking import TENSORBOARD_FOLDER
+from tests.mopd_process import run_mopd_process
 from tests.precompute.teachers import agent_records, write_jsonl
 from tests.rollout.conftest import Models, chat_prompts, rollout_config
 from tests.tolerance import U, assert_close
@@ -70,8 +70,7 @@ def final_weights(workdir: Path) -> dict[str, Any]:
 
 def mopd_rounds(config: Path, fault: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **({"MOPD_FAULT": fault} if fault else {})}
-    command = [sys.executable, "-m", "mopd.cli", "rounds", str(config)]
-    return subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    return run_mopd_process(["rounds", str(config)], env=env)
 
 
 @pytest.mark.slow
