@@ -1,15 +1,18 @@
-"""Acceptance: the megatron teacher backend under torchrun (TP=2, PP=2) writes the hf backend's store."""
+"""Acceptance: the megatron teacher backend at TP=2 and PP=2 writes the hf backend's store — under the real
+launcher (`torchrun`, two model-parallel groups of two ranks) and on the harness's ranks running the same
+command (`run_mopd`)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 
 from mopd.store import open_store
-from tests.distributed.harness import run_torchrun
+from tests.distributed.harness import run_mopd, run_torchrun
 from tests.mopd_process import run_mopd_process
 from tests.precompute.conftest import routed_config
 from tests.precompute.stores import assert_fp32_equal, build
@@ -40,13 +43,21 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def torchrun_precompute(
-    config: Path, store: Path, *, nproc: int, tp: int, pp: int, sequence_parallel: bool = False
+    config: Path,
+    store: Path,
+    *,
+    nproc: int,
+    tp: int,
+    pp: int,
+    sequence_parallel: bool = False,
+    launcher: Callable[..., str] = run_mopd,
 ) -> str:
+    """`mopd precompute --backend megatron` on `nproc` ranks (`launcher`: `run_mopd` or `run_torchrun`)."""
     raw = yaml.safe_load(config.read_text())
     raw["precompute"]["parallel"] = {"tp": tp, "pp": pp, "sequence_parallel": sequence_parallel}
     variant = store.with_suffix(".yaml")
     variant.write_text(yaml.safe_dump(raw))
-    return run_torchrun(
+    return launcher(
         ["precompute", str(variant), "--backend", "megatron", "--store", str(store)],
         nproc=nproc,
         env={"COLUMNS": "200"},  # progress and summary lines unwrapped
@@ -80,7 +91,9 @@ def test_two_model_parallel_groups_share_the_tasks(config: Path, tmp_path: Path)
     job of the task split; together they write the hf store."""
     reference = build(config, "hf", "float32")
     store = tmp_path / "dp2.zarr"
-    log = torchrun_precompute(config, store, nproc=4, tp=2, pp=1, sequence_parallel=True)
+    log = torchrun_precompute(
+        config, store, nproc=4, tp=2, pp=1, sequence_parallel=True, launcher=run_torchrun
+    )
     computed = [int(n) for n in re.findall(r"computed (\d+) tasks", log)]
     assert len(computed) == 2 and sum(computed) == 7 and min(computed) > 0  # two writers, disjoint shares
     # Both groups may finish their last task at once and both finalize: the manifest is published

@@ -1,8 +1,9 @@
-"""`mopd train` on the megatron backend under the real launcher: `torchrun --nproc-per-node 4` at
-TP2×PP2 (with sequence parallelism), TP2×DP2 and PP2×DP2 gives the single-process hf run's 5 steps; only
-the last pipeline stage holds teacher heads; a TP2×PP2 run resumes exactly, resumes at TP1×PP2 and
-TP2×PP1 (megatron-core's distributed checkpoint), refuses another teacher list, and exports an HF
-student with the trained model's logits. The student is a Qwen3 (the Llama and Qwen2 conversions train in
+"""`mopd train` on the megatron backend: at TP2×PP2 (with sequence parallelism) under the real launcher
+(`torchrun --nproc-per-node 4`), at TP2×DP2 and PP2×DP2 and for the resumes on the harness's ranks
+running the same command (`run_mopd`), each gives the single-process hf run's 5 steps; only the last
+pipeline stage holds teacher heads; a TP2×PP2 run resumes exactly, resumes at TP1×PP2 and TP2×PP1
+(megatron-core's distributed checkpoint), refuses another teacher list, and exports an HF student with
+the trained model's logits. The student is a Qwen3 (the Llama and Qwen2 conversions train in
 test_megatron_student.py)."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from mopd.config.mopd_config import load_config
 from mopd.train.metrics import METRICS_FILE, read_metrics
 from mopd.train.trainer import TrainResult, run_training
-from tests.distributed.harness import run_distributed, run_torchrun
+from tests.distributed.harness import run_distributed, run_mopd, run_torchrun
 from tests.precompute.teachers import assert_same_chat_tokens, make_tokenizer, save_teacher
 from tests.tolerance import (
     assert_close,
@@ -98,7 +99,7 @@ def single(setup: Setup) -> TrainResult:
 
 @pytest.fixture(scope="module")
 def launch(setup: Setup) -> Callable[[int, int], Launched]:
-    """`torchrun --nproc-per-node 4 -m mopd.cli train` at a layout, once per layout per module."""
+    """`mopd train` on 4 ranks at a layout, once per layout per module."""
     done: dict[tuple[int, int], Launched] = {}
 
     def run(tp: int, pp: int) -> Launched:
@@ -106,8 +107,11 @@ def launch(setup: Setup) -> Callable[[int, int], Launched]:
             name = f"tp{tp}pp{pp}"
             config = setup.config(name, backend="megatron", parallel=parallel(tp, pp))
             output = setup.root / f"{name}-run"
-            extra = ["--export-hf", str(setup.root / f"{name}-hf")] if (tp, pp) == (2, 2) else []
-            log = run_torchrun(["train", str(config), "--output", str(output), *extra], nproc=4)
+            args = ["train", str(config), "--output", str(output)]
+            if (tp, pp) == (2, 2):  # the real launcher, and the export of the trained student
+                log = run_torchrun([*args, "--export-hf", str(setup.root / f"{name}-hf")], nproc=4)
+            else:
+                log = run_mopd(args, nproc=4)
             done[(tp, pp)] = Launched(output, log)
         return done[(tp, pp)]
 
@@ -161,7 +165,7 @@ def test_activation_checkpointing_trains_the_same_values(setup: Setup, single: T
     config = setup.config(
         "recompute", backend="megatron", parallel=parallel(2, 2), activation_checkpointing=True
     )
-    run_torchrun(["train", str(config), "--output", str(setup.root / "recompute-run")], nproc=4)
+    run_mopd(["train", str(config), "--output", str(setup.root / "recompute-run")], nproc=4)
     got = split(read_metrics(setup.root / "recompute-run" / METRICS_FILE))[0]
     assert_same_training(got, split(single.records)[0], layers=2, width=128)
     # The same values, because each layer ran through megatron-core's recomputation: once per layer and
@@ -190,7 +194,7 @@ def test_mixed_precision_under_tp2_pp2_follows_the_fp32_run(setup: Setup, single
         activation_checkpointing=True,
     )
     output = setup.root / "bf16-run"
-    run_torchrun(["train", str(config), "--output", str(output)], nproc=4)
+    run_mopd(["train", str(config), "--output", str(output)], nproc=4)
     assert_bf16_of(split(read_metrics(output / METRICS_FILE))[0], split(single.records)[0])
     saved = sorted((output / "checkpoints").glob("step_*"))[-1]
     tensors = whole_tensors(saved / "state")  # the weights and AdamW moments of every slice and stage
@@ -231,7 +235,7 @@ def test_resume_under_tp2_pp2_matches_uninterrupted(
     resumed = setup.root / "tp2pp2-resumed"
     shutil.copytree(whole.output / "checkpoints" / "step_00000003", resumed / "checkpoints" / "step_00000003")
     config = setup.config("tp2pp2-no-sp", backend="megatron", parallel={"tp": 2, "pp": 2})
-    log = run_torchrun(["train", str(config), "--output", str(resumed), "--resume"], nproc=4)
+    log = run_mopd(["train", str(config), "--output", str(resumed), "--resume"], nproc=4)
     assert "(step 3)" in log  # resumed from the copied checkpoint
     got = {r["step"]: r for r in split(read_metrics(resumed / METRICS_FILE))[0]}
     want = {r["step"]: r for r in split(read_metrics(whole.output / METRICS_FILE))[0]}
@@ -278,7 +282,7 @@ def test_resume_at_another_tensor_and_pipeline_layout(
     resumed = setup.root / f"tp2pp2-at-tp{tp}pp{pp}"
     shutil.copytree(whole.output / "checkpoints" / "step_00000003", resumed / "checkpoints" / "step_00000003")
     config = setup.config(f"tp{tp}pp{pp}-resume", backend="megatron", parallel={"tp": tp, "pp": pp})
-    log = run_torchrun(["train", str(config), "--output", str(resumed), "--resume"], nproc=ranks)
+    log = run_mopd(["train", str(config), "--output", str(resumed), "--resume"], nproc=ranks)
     assert "(step 3)" in log
     got = {r["step"]: r for r in split(read_metrics(resumed / METRICS_FILE))[0]}
     want = {r["step"]: r for r in split(read_metrics(whole.output / METRICS_FILE))[0]}
@@ -383,7 +387,7 @@ def test_data_parallel_replicas_shard_adamw_and_resume_on_another_count(
             whole.output / "checkpoints" / "step_00000003", resumed / "checkpoints" / "step_00000003"
         )
         config = setup.config(f"tp2-{name}", backend="megatron", parallel=parallel(2, 1))
-        log = run_torchrun(["train", str(config), "--output", str(resumed), "--resume"], nproc=ranks)
+        log = run_mopd(["train", str(config), "--output", str(resumed), "--resume"], nproc=ranks)
         assert "(step 3)" in log
         got = {r["step"]: r for r in split(read_metrics(resumed / METRICS_FILE))[0]}
         assert sorted(got) == [4, 5]
