@@ -14,10 +14,15 @@ pytest_plugins = ["tests.processes"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`gpu`-marked tests need a CUDA device: where there is none (CI) they are skipped, the only
-    tests that ever are; bench/gpu.sh runs them on a GPU machine."""
+    """Files that hold `slow` tests run first: the workers take whole files in this order (pyproject's
+    `--dist loadfile`), and the many quick files that come last even out when each worker ends.
+
+    `gpu`-marked tests need a CUDA device: where there is none (CI) they are skipped, the only tests
+    that ever are; bench/gpu.sh runs them on a GPU machine."""
     import torch
 
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: a file's own order is kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run bench/gpu.sh on a GPU machine)")

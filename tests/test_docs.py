@@ -119,8 +119,29 @@ def test_every_documented_command_is_valid_and_exercised(source: str, command: s
         module = words.index("-m")
         assert words[module + 1] == "mopd.cli"
         _parse_mopd(words[module + 2 :])
+    elif words[:3] == ["python", "-m", "pytest"] and command not in CI_SCRIPT:  # a selection of the suite
+        _check_selection(words[3:])
     else:  # environment set-up and the test command: .ci/run runs them as written
         assert command in CI_SCRIPT, f"{source}: `{command}` is neither a mopd command nor run by .ci/run"
+
+
+def _check_selection(args: list[str]) -> None:
+    """A documented pytest selection names registered markers and test paths that exist."""
+    import tomllib
+
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    markers = {line.split(":")[0] for line in ini["markers"]}
+    options_with_value = {"-m", "-k", "-n", "--dist", "--durations", "-p"}
+    rest = iter(args)
+    for arg in rest:
+        if arg == "-m":
+            expression = next(rest)
+            named = set(re.findall(r"[A-Za-z_]+", expression)) - {"and", "or", "not"}
+            assert named <= markers, f"pytest -m {expression!r}: {named - markers} is not a registered marker"
+        elif arg in options_with_value:
+            next(rest)
+        elif not arg.startswith("-"):
+            assert (ROOT / arg.split("::")[0]).exists(), f"pytest {arg}: no such test path"
 
 
 def test_the_readme_has_exactly_two_set_up_commands() -> None:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 LEAKS = """
@@ -36,6 +38,7 @@ def run_session(tmp_path: Path, source: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # a pytest session of its own that waits out its survivor
 def test_a_leaked_process_fails_the_session_and_is_named(tmp_path: Path) -> None:
     done = run_session(tmp_path, LEAKS)
     assert done.returncode == 1, done.stdout

@@ -25,8 +25,6 @@ from tests.precompute.teachers import make_tokenizer, save_teacher
 from tests.store.synthetic import VOCAB_SIZE, head_for, hidden_for, tokens_for
 from tests.train.world import World, world_config, write_train_config
 
-pytestmark = pytest.mark.slow
-
 ARRAYS = {  # "{shard}": the shard whose rows come up last
     "input_ids": f"rows/{INPUT_IDS}",
     "loss_mask": f"rows/{LOSS_MASK}",

@@ -17,7 +17,7 @@ from tests.distributed.harness import run_distributed
 from tests.precompute.teachers import make_tokenizer, save_teacher
 from tests.tolerance import assert_close, forward_rtol, perturbed
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = pytest.mark.distributed
 TEACHER_HIDDEN = 48
 
 

@@ -18,7 +18,7 @@ from tests.precompute.conftest import routed_config
 from tests.precompute.stores import assert_fp32_equal, build
 from tests.precompute.teachers import make_tokenizer, save_teacher
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = pytest.mark.distributed
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -86,6 +86,7 @@ def test_world_not_divisible_by_the_teacher_layout(config: Path, tmp_path: Path)
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow  # four ranks under the real launcher
 def test_two_model_parallel_groups_share_the_tasks(config: Path, tmp_path: Path) -> None:
     """4 ranks at TP=2 with sequence parallelism (rows of odd and even lengths): two groups, each one
     job of the task split; together they write the hf store."""

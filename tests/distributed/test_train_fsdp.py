@@ -229,6 +229,7 @@ def checkpoints(output: Path) -> list[str]:
     return [p.name for p in complete_checkpoints(output / "checkpoints")]
 
 
+@pytest.mark.slow  # five worlds of 1-3 ranks and an export
 def test_sharded_checkpoints_resume_on_any_rank_count_and_export(world: World, tmp_path: Path) -> None:
     """A 6-step run on 2 ranks, checkpoints every 2 steps. Stopped at step 2: resumed on 2 ranks it
     continues bit-exactly; resumed on 3 ranks to step 4, then on 1 to step 6, within trajectory tolerance
@@ -267,6 +268,7 @@ def test_sharded_checkpoints_resume_on_any_rank_count_and_export(world: World, t
     assert_close(logits, live, rtol=network_rtol(world.student), norm=True, what="exported logits")
 
 
+@pytest.mark.slow  # three torchrun launches
 def test_a_kill_inside_a_sharded_save_and_a_damaged_shard(world: World, tmp_path: Path) -> None:
     """Both ranks SIGKILLed once they have written their shards of step 4's checkpoint: the run resumes
     from step 2's and ends as an uninterrupted run, bit for bit. Then a shard file changed on disk is

@@ -26,8 +26,6 @@ from hypothesis import strategies as st
 from mopd.cli.main import cli
 from tests.precompute.teachers import make_tokenizer
 
-pytestmark = pytest.mark.slow
-
 CONFIGS = 1000
 DATASETS = 500  # of 2 to 6 rows each: ~2,000 rows
 
@@ -253,6 +251,7 @@ def _dataset(draw: st.DrawFn) -> list[dict[str, Any] | bytes]:
     return rows
 
 
+@pytest.mark.slow  # 500 datasets through the real CLI: 20-30 s
 @hostile(DATASETS)
 @given(rows=_dataset())
 def test_no_invalid_row_is_accepted_or_crashes(base: dict[str, Any], tmp_path: Path, rows: list[Any]) -> None:

@@ -127,7 +127,6 @@ def test_two_rounds_and_a_killed_run_that_resumes_bit_identically(world: World, 
         assert resumed[name].equal(tensor), name
 
 
-@pytest.mark.slow
 def test_off_policy_rows_are_mixed_in_at_the_fraction(world: World, tmp_path: Path) -> None:
     """off_policy_fraction 0.5: as many rows of data.path (tokenised as precompute does) as samples."""
     from mopd.store.reader import open_store
@@ -168,7 +167,6 @@ def test_a_megatron_student_samples_through_its_export(world: World, tmp_path: P
     assert [r["round"] for r in records] == [0, 1, 2]
 
 
-@pytest.mark.slow
 def test_an_fsdp_student_trains_rounds_from_its_sharded_checkpoints(world: World, tmp_path: Path) -> None:
     """train.backend fsdp (one process: a world of 1): round 2 starts from round 1's sharded checkpoint
     (weights and AdamW state) and samples with its export; held-out evaluation runs on the sharded

@@ -15,7 +15,6 @@ from tests.store.synthetic import VOCAB_SIZE, StoreSpec, build_store, head_for, 
 from tests.tolerance import assert_close
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_ragged_rows_round_trip_bit_exact(small_spec: StoreSpec, dtype: str) -> None:
     rng = np.random.default_rng(0)

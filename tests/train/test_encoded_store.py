@@ -21,8 +21,6 @@ from mopd.train.trainer import run_training
 from tests.fault_trials import train_records
 from tests.train.world import World, world_config, write_train_config
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def coded_store(world: World, tmp_path_factory: pytest.TempPathFactory) -> Path:

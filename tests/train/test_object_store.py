@@ -21,8 +21,6 @@ from mopd.train.trainer import run_training
 from tests.fault_trials import train_records
 from tests.train.world import World, world_config
 
-pytestmark = pytest.mark.slow
-
 
 def upload(folder: Path, url: str) -> Bucket:
     """The store on disk, copied object by object into the bucket."""

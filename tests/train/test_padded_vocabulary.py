@@ -27,7 +27,6 @@ from tests.precompute.teachers import agent_records, make_tokenizer, save_teache
 from tests.tolerance import U, assert_close, sum_rtol, value_atol
 
 TOKENS = 259  # 256 byte-level symbols and 3 special tokens: a tokenizer with no merges
-pytestmark = pytest.mark.slow
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,7 @@ def test_mixed_precision_follows_the_fp32_run(world: World, tmp_path: Path) -> N
     assert_bf16_of(train_records(world, tmp_path / "bf16", mixed_precision="bf16"), fp32)
 
 
+@pytest.mark.slow  # 10 megatron-core steps in process
 def test_mixed_precision_on_the_megatron_backend(world: World, tmp_path: Path) -> None:
     """megatron-core's layers under torch.autocast: fp32 weights and AdamW moments, bf16 products; 10
     steps follow the fp32 run within bf16 rounding; with recomputation the same values bit for bit (the
