@@ -1,7 +1,7 @@
 """Faults on demand for the commit path, so that tests show what a crash or a full disk leaves behind.
 
 Off unless the environment variable MOPD_FAULT is set; read only by the commit code (base/fsio.py,
-store/arrays.py, store/writer.py, train/checkpoint.py):
+store/arrays/write.py, store/writer.py, train/checkpoint/state.py):
 
     MOPD_FAULT=kill@shard-renamed       SIGKILL this process when it first reaches the named point
     MOPD_FAULT=kill@checkpoint-written:2   ... the second time it reaches it

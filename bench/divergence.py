@@ -42,7 +42,7 @@ def run_variant(
     heads = {t: (torch.randn(VOCAB, HIDDEN) * 0.04).to(dtype) for t in range(teachers)}
 
     if variant in ("fused", "fused-compiled"):
-        from mopd.train.divergence import linear_divergence
+        from mopd.train.kernel.divergence import linear_divergence
 
         compiled = variant == "fused-compiled"
 
@@ -68,7 +68,7 @@ def run_variant(
                     grad_hs[rows] = logits[:size] @ ws
                     grad_ws.addmm_(logits[:size].T, hs[rows])
     elif variant == "eager":
-        from mopd.train.divergence_reference import reference_divergence
+        from mopd.train.kernel.reference import reference_divergence
 
         def step() -> None:
             reference_divergence(hs, ws, hidden, heads, index).loss.backward()

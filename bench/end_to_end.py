@@ -114,8 +114,8 @@ def child(variant: str, spec: dict[str, Any], tokens_per_step: int, steps: int) 
     from transformers import AutoModelForCausalLM
 
     from mopd.store import open_store
-    from mopd.train.chunk_chain import chunk_size_for
-    from mopd.train.divergence import linear_divergence
+    from mopd.train.kernel.chunk_chain import chunk_size_for
+    from mopd.train.kernel.divergence import linear_divergence
 
     torch.manual_seed(0)
     store = open_store(spec["store"])

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from mopd.store import fingerprint
+from mopd.store.format import fingerprint
 
 
 def make_checkpoint(folder: Path, gib: float, shards: int) -> int:

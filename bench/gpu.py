@@ -97,7 +97,7 @@ def kernel_section(
 
 
 def kernel_at(meter: Meter, n: int, vocab: int, hidden: int, chunk: int, repeats: int) -> dict[str, Any]:
-    from mopd.train.divergence import linear_divergence
+    from mopd.train.kernel.divergence import linear_divergence
 
     device = meter.device
     g = torch.Generator(device=device).manual_seed(n)
@@ -213,7 +213,7 @@ def reverse_kl_chain(zs: torch.Tensor, zt: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def chain_section(meter: Meter, rows: int, vocab: int, repeats: int) -> dict[str, Any]:
-    from mopd.train.chunk_chain import soft_value_and_grad
+    from mopd.train.kernel.chunk_chain import soft_value_and_grad
 
     device = meter.device
     g = torch.Generator(device=device).manual_seed(2)
@@ -269,7 +269,7 @@ def step_section(
 ) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
 
-    from mopd.train.divergence import linear_divergence
+    from mopd.train.kernel.divergence import linear_divergence
 
     device = meter.device
     config = student_config(small, seq)
@@ -324,9 +324,9 @@ def sharded_section(
 
     from transformers import LlamaForCausalLM
 
-    from mopd.train.distributed import RankGroup
-    from mopd.train.divergence import linear_divergence
-    from mopd.train.fsdp_student import FSDPStudent
+    from mopd.train.backends.fsdp import FSDPStudent
+    from mopd.train.backends.groups import RankGroup
+    from mopd.train.kernel.divergence import linear_divergence
 
     device = meter.device
     config = student_config(small, seq)

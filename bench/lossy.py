@@ -8,8 +8,8 @@ rows of three agents; `mopd quickstart`'s, under --workdir) and four stores of t
   tokens/s (one job, the teacher forward included) and read tokens/s (`hiddens` of every row, cold
   cache), each with its ratio to the bfloat16 store's; and per token, KL(p‖q) at T = 1 between the teacher
   distribution rebuilt from the float32 store and from the tier, from the logit difference without
-  cancellation (`encoding.logit_divergence`): mean, p99, max, and top-1 agreement; with the error model's
-  expected mean (`encoding.expected_kl`) beside the int8 tiers' measured one.
+  cancellation (`codec.int8_rotated.logit_divergence`): mean, p99, max, and top-1 agreement; with the
+  error model's expected mean (`codec.int8_rotated.expected_kl`) beside the int8 tiers' measured one.
 - encode and decode: an int8-rotated shard's encode per token against the fp32 store's precompute time
   per token (the fit of each teacher's encoding, a forward of its first 8,192 tokens, is a fixed cost
   per job on top); its read's decode, in the loader (dequantise, un-rotate, add the mean) against folding
@@ -51,12 +51,12 @@ from mopd.cli.quickstart_assets import prepare_models, write_dataset  # noqa: E4
 from mopd.config.mopd_config import load_config  # noqa: E402
 from mopd.precompute.runner import run_precompute  # noqa: E402
 from mopd.store import open_store  # noqa: E402
-from mopd.store.chunks import clear_cache  # noqa: E402
-from mopd.store.encoding import expected_kl, logit_divergence  # noqa: E402
+from mopd.store.arrays.read import clear_cache  # noqa: E402
+from mopd.store.codec.int8_rotated import expected_kl, logit_divergence  # noqa: E402
+from mopd.store.format.transform import LogitTransform  # noqa: E402
 from mopd.store.reader import TeacherStore  # noqa: E402
-from mopd.store.transform import LogitTransform  # noqa: E402
-from mopd.train.checkpoint import complete_checkpoints, load_weights  # noqa: E402
-from mopd.train.resume import init_checkpoint  # noqa: E402
+from mopd.train.checkpoint.resume import init_checkpoint  # noqa: E402
+from mopd.train.checkpoint.state import complete_checkpoints, load_weights  # noqa: E402
 from mopd.train.session import open_session  # noqa: E402
 from mopd.train.trainer import held_out_rows, run_training  # noqa: E402
 

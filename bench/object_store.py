@@ -38,11 +38,11 @@ from bench.scale import run_measured, write_dataset  # noqa: E402
 from mopd.precompute.packaged_models import smollm2_checkpoint  # noqa: E402
 from mopd.precompute.teachers import load_tokenizer  # noqa: E402
 from mopd.store import open_store  # noqa: E402
-from mopd.store.chunks import clear_cache  # noqa: E402
-from mopd.store.manifest import load_manifest  # noqa: E402
-from mopd.train.data_order import epoch_steps, rank_microbatches  # noqa: E402
-from mopd.train.loader import read_microbatches  # noqa: E402
-from mopd.train.metrics import METRICS_FILE, read_metrics  # noqa: E402
+from mopd.store.arrays.read import clear_cache  # noqa: E402
+from mopd.store.format.manifest import load_manifest  # noqa: E402
+from mopd.train.data.loader import read_microbatches  # noqa: E402
+from mopd.train.data.order import epoch_steps, rank_microbatches  # noqa: E402
+from mopd.train.report.metrics import METRICS_FILE, read_metrics  # noqa: E402
 from tests.object_store import S3Server  # noqa: E402
 from tests.precompute.teachers import save_teacher  # noqa: E402
 

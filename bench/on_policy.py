@@ -72,7 +72,7 @@ def make_config(work: Path, args: argparse.Namespace) -> Path:
 
 
 def trained_tokens(run: Path) -> int:
-    from mopd.train.metrics import METRICS_FILE, read_metrics
+    from mopd.train.report.metrics import METRICS_FILE, read_metrics
 
     records = read_metrics(run / METRICS_FILE)
     return sum(r["trained_tokens"] for r in records if r.get("split", "train") == "train")
@@ -82,7 +82,7 @@ def off_policy(config: Any, on_tokens: int, log: Any) -> dict[str, Any]:
     """Trains the student on the fixed data for ~`on_tokens` trained tokens; its held-out record."""
     from mopd.precompute.runner import run_precompute
     from mopd.rollout.rounds import Rounds
-    from mopd.train.export import export_hf
+    from mopd.train.checkpoint.export import export_hf
     from mopd.train.trainer import run_training
 
     run_precompute(config, log=log)

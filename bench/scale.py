@@ -47,11 +47,11 @@ from mopd.precompute.ingest import ingest  # noqa: E402
 from mopd.precompute.packaged_models import smollm2_checkpoint  # noqa: E402
 from mopd.precompute.teachers import load_tokenizer  # noqa: E402
 from mopd.store import open_store  # noqa: E402
-from mopd.store.chunks import clear_cache  # noqa: E402
-from mopd.store.provenance import INGEST_DIR  # noqa: E402
-from mopd.train.data_order import epoch_steps, rank_microbatches  # noqa: E402
-from mopd.train.loader import read_microbatches  # noqa: E402
-from mopd.train.metrics import METRICS_FILE, read_metrics  # noqa: E402
+from mopd.store.arrays.read import clear_cache  # noqa: E402
+from mopd.store.format.provenance import INGEST_DIR  # noqa: E402
+from mopd.train.data.loader import read_microbatches  # noqa: E402
+from mopd.train.data.order import epoch_steps, rank_microbatches  # noqa: E402
+from mopd.train.report.metrics import METRICS_FILE, read_metrics  # noqa: E402
 from tests.precompute.teachers import save_teacher  # noqa: E402
 
 WORDS = [
@@ -133,7 +133,7 @@ def format2_copy(store: Path, dest: Path) -> Path:
     import zarr
     from zarr.codecs import BloscCodec, Crc32cCodec
 
-    from mopd.store.chunks import ArrayReader
+    from mopd.store.arrays.read import ArrayReader
 
     shutil.copytree(store, dest, ignore=shutil.ignore_patterns(INGEST_DIR))
     for meta in sorted(dest.rglob("zarr.json")):
@@ -219,8 +219,8 @@ def chunk_choice(
     size on disk, a sequential read, and random steps of `step_rows` rows read as the loader reads
     them (one `gather` per step, cold chunk cache, page cache warm: the decoding is what differs)."""
     from bench.store_io import payload
-    from mopd.store.arrays import write_array
-    from mopd.store.chunks import ArrayReader
+    from mopd.store.arrays.read import ArrayReader
+    from mopd.store.arrays.write import write_array
 
     rng = np.random.default_rng(0)
     lengths = np.maximum(1, rng.normal(100, 10, size=rows).astype(np.int64))

@@ -64,7 +64,7 @@ def child(variant: str, recompute: bool, config: Path, output: Path) -> None:
     import torch
 
     from mopd.config.mopd_config import load_config
-    from mopd.train.data_order import LoaderState
+    from mopd.train.data.order import LoaderState
     from mopd.train.trainer import Trainer
 
     loaded = load_config(config)

@@ -35,13 +35,13 @@ from zarr.codecs import BloscCodec
 from mopd.base.fsio import fsync_tree
 from mopd.precompute.runner import CHUNK_BYTES
 from mopd.store import open_store
-from mopd.store.arrays import storage_dtype
-from mopd.store.chunks import clear_cache
-from mopd.store.files import Recorded
-from mopd.store.layout import plan_tasks, shard_rows
-from mopd.store.manifest import DatasetInfo, Plan, ShardTask, StorageInfo, TeacherInfo, TokenizerInfo
+from mopd.store.arrays.binding import Recorded
+from mopd.store.arrays.read import clear_cache
+from mopd.store.arrays.write import storage_dtype
+from mopd.store.format.layout import plan_tasks, shard_rows
+from mopd.store.format.manifest import DatasetInfo, Plan, ShardTask, StorageInfo, TeacherInfo, TokenizerInfo
 from mopd.store.reader import TeacherStore
-from mopd.store.tasks import HiddenShardWriter, write_lm_head, write_rows
+from mopd.store.task_writers import HiddenShardWriter, write_lm_head, write_rows
 from mopd.store.writer import StoreWriter
 
 

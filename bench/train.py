@@ -48,8 +48,8 @@ def _eager_objective(trainer: Any) -> Any:
 
 def run_variant(variant: str, config: Path) -> dict[str, float]:
     from mopd.config.mopd_config import load_config
-    from mopd.train.data_order import LoaderState
-    from mopd.train.loader import read_microbatches
+    from mopd.train.data.loader import read_microbatches
+    from mopd.train.data.order import LoaderState
     from mopd.train.trainer import Trainer
 
     loaded = load_config(config)

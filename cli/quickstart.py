@@ -31,7 +31,7 @@ from mopd.cli.store_commands import format_size
 from mopd.config.mopd_config import load_config
 from mopd.store.summary import summarise_store
 from mopd.store.verify import verify_store
-from mopd.train.tracking import TENSORBOARD_FOLDER
+from mopd.train.report.tracking import TENSORBOARD_FOLDER
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,10 @@ def train_command(
     OUTPUT/checkpoints/step_NNNNNNNN/ (the student under model/: a transformers checkpoint; on the fsdp
     and megatron backends its config, and every rank's shards under state/ — see `mopd export-hf`).
     """
-    from mopd.train.checkpoint import complete_checkpoints
-    from mopd.train.export import export_hf  # torch and transformers: imported for this command only
+    from mopd.train.checkpoint.export import (
+        export_hf,  # torch and transformers: imported for this command only
+    )
+    from mopd.train.checkpoint.state import complete_checkpoints
     from mopd.train.trainer import run_training
 
     config = load_config(config_path, overrides)
@@ -87,7 +89,7 @@ def export_hf_command(checkpoint: Path, output: Path) -> None:
     complete checkpoint). A megatron-backend checkpoint's shards are joined into the student's own
     architecture; one process, no torchrun. OUTPUT must be a new (or empty) folder.
     """
-    from mopd.train.export import export_hf
+    from mopd.train.checkpoint.export import export_hf
 
     exported = export_hf(checkpoint, output)
     stderr_console().print(f"exported {exported} to {output}")

@@ -9,7 +9,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from mopd.base.section import Device, NonEmpty, Section
 from mopd.config.parallel import StudentParallelConfig
 
-# The divergences the fused kernel computes (train/divergence.py takes its list from here).
+# The divergences the fused kernel computes (train/kernel/divergence.py takes its list from here).
 DivergenceKind = Literal["reverse_kl", "forward_kl", "jsd", "cross_entropy", "entropy", "tvd"]
 
 
@@ -17,7 +17,7 @@ class DivergenceConfig(Section):
     kind: DivergenceKind = "reverse_kl"
     beta: float = Field(0.5, ge=0.0, le=1.0)
     temperature: float = Field(1.0, gt=0.0)
-    # Tokens per kernel chunk; "auto": the measured default of the device (train/divergence.py).
+    # Tokens per kernel chunk; "auto": the measured default of the device (train/kernel/divergence.py).
     chunk_size: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
     ce_weight: float = Field(0.0, ge=0.0)
     # The chunk chain compiled with torch.compile: "auto" on CUDA only; a failure to compile falls
@@ -103,7 +103,7 @@ class TrainConfig(Section):
     prefetch: int = Field(2, ge=1)
     output_dir: NonEmpty = "out/run"
     checkpoint: CheckpointConfig = CheckpointConfig()
-    # Experiment trackers fed the records of metrics.jsonl, rank 0 only (train/tracking.py); the
+    # Experiment trackers fed the records of metrics.jsonl, rank 0 only (train/report/tracking.py); the
     # packages come with `pip install 'mopd[tracking]'`.
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
 

@@ -16,7 +16,7 @@ import torch
 
 from mopd.base.errors import ConfigError
 from mopd.config.precompute import PrecomputeConfig
-from mopd.store.transform import LogitTransform
+from mopd.store.format.transform import LogitTransform
 
 
 class HiddenStateSource(Protocol):

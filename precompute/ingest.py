@@ -34,9 +34,9 @@ from mopd.base.jsonio import parse_json
 from mopd.config.precompute import DataConfig, RoutingConfig
 from mopd.precompute.data import TokenizedRows, tokenize_dataset
 from mopd.precompute.records import load_records
-from mopd.store.fingerprint import TOKENIZER_FILES
-from mopd.store.manifest import canonical_json
-from mopd.store.provenance import INGEST_RECORD
+from mopd.store.format.fingerprint import TOKENIZER_FILES
+from mopd.store.format.manifest import canonical_json
+from mopd.store.format.provenance import INGEST_RECORD
 
 INGEST_VERSION = 1
 ROWS_FILE = "rows.arrow"

@@ -21,7 +21,7 @@ import torch
 
 from mopd.base.devices import resolve_device
 from mopd.base.errors import ConfigError
-from mopd.store.transform import LogitTransform
+from mopd.store.format.transform import LogitTransform
 
 
 class _Captured(Exception):

@@ -17,10 +17,16 @@ from mopd.base.errors import StoreIntegrityError
 from mopd.base.version import __version__
 from mopd.precompute.backends import HiddenStateSource, TeacherModel
 from mopd.precompute.data import TokenizedRows
-from mopd.store.encoding import Calibration, Encoding
-from mopd.store.manifest import EXACT, EncodingTask, HeadTask, Manifest, RowsTask, ShardTask, load_part
-from mopd.store.tasks import HiddenShardWriter, read_encoding, write_encoding, write_lm_head, write_rows
-from mopd.store.tensors import TORCH_DTYPES
+from mopd.store.arrays.dtypes import TORCH_DTYPES
+from mopd.store.codec.int8_rotated import Calibration, Encoding
+from mopd.store.format.manifest import EXACT, EncodingTask, HeadTask, Manifest, RowsTask, ShardTask, load_part
+from mopd.store.task_writers import (
+    HiddenShardWriter,
+    read_encoding,
+    write_encoding,
+    write_lm_head,
+    write_rows,
+)
 from mopd.store.writer import StoreWriter
 
 # A hidden-state shard as its task fills it, a batch at a time: append(row ids, their [L_i, H] states).

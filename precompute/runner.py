@@ -31,10 +31,9 @@ from mopd.precompute.output_layer import resolve_dtype
 from mopd.precompute.outputs import NoOutput, Output, StoreOutput
 from mopd.precompute.progress import TokenProgress
 from mopd.precompute.teachers import TeacherSet, load_tokenizer, resolve_teachers
-from mopd.store.encoding import CALIBRATION_TOKENS, Calibration
-from mopd.store.layout import plan_tasks, shard_rows
-from mopd.store.locations import Location, open_location
-from mopd.store.manifest import (
+from mopd.store.codec.int8_rotated import CALIBRATION_TOKENS, Calibration
+from mopd.store.format.layout import plan_tasks, shard_rows
+from mopd.store.format.manifest import (
     DatasetInfo,
     EncodingTask,
     HeadTask,
@@ -46,7 +45,8 @@ from mopd.store.manifest import (
     TeacherInfo,
     TokenizerInfo,
 )
-from mopd.store.provenance import INGEST_DIR, INGEST_RECORD
+from mopd.store.format.provenance import INGEST_DIR, INGEST_RECORD
+from mopd.store.locations.location import Location, open_location
 from mopd.store.writer import StoreWriter
 
 if TYPE_CHECKING:

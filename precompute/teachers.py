@@ -10,8 +10,8 @@ from typing import Any
 
 from mopd.base.errors import ConfigError
 from mopd.base.jsonio import parse_json
-from mopd.store.fingerprint import checkpoint_fingerprint, tokenizer_vocab, vocab_hash
-from mopd.store.teachers import TeacherSlot, alias_to_index, assign_teacher_indices
+from mopd.store.format.fingerprint import checkpoint_fingerprint, tokenizer_vocab, vocab_hash
+from mopd.store.format.teachers import TeacherSlot, alias_to_index, assign_teacher_indices
 
 
 @dataclass(frozen=True)

@@ -35,14 +35,14 @@ from mopd.precompute.records import load_records
 from mopd.precompute.runner import run_precompute
 from mopd.precompute.teachers import load_tokenizer, tokenizer_checkpoint
 from mopd.rollout.runner import run_rollout
-from mopd.store.manifest import MANIFEST_FILE, read_manifest
-from mopd.store.teachers import alias_to_index, assign_teacher_indices
+from mopd.store.format.manifest import MANIFEST_FILE, read_manifest
+from mopd.store.format.teachers import alias_to_index, assign_teacher_indices
 from mopd.store.verify import verify_store
-from mopd.train.checkpoint import complete_checkpoints, read_state
+from mopd.train.checkpoint.export import export_hf
+from mopd.train.checkpoint.state import complete_checkpoints, read_state
 from mopd.train.evaluation import evaluate_student
-from mopd.train.export import export_hf
-from mopd.train.metrics import Eta, by_name, format_duration, teacher_names
-from mopd.train.tracking import Trackers
+from mopd.train.report.metrics import Eta, by_name, format_duration, teacher_names
+from mopd.train.report.tracking import Trackers
 from mopd.train.trainer import run_training
 
 Log = Callable[[str], None]

@@ -35,7 +35,7 @@ from mopd.rollout.rows import (
     write_part,
 )
 from mopd.rollout.samplers import Completion, Sampler, load_sampler, stop_token_ids
-from mopd.store.fingerprint import checkpoint_fingerprint, vocab_hash
+from mopd.store.format.fingerprint import checkpoint_fingerprint, vocab_hash
 
 Log = Callable[[str], None]
 SETTINGS_FILE = "rollout.json"

@@ -11,7 +11,7 @@ from mopd.base.errors import (
     StoreIntegrityError,
 )
 from mopd.base.version import __version__
-from mopd.store.manifest import FORMAT, FORMAT_VERSION, Manifest
+from mopd.store.format.manifest import FORMAT, FORMAT_VERSION, Manifest
 
 if TYPE_CHECKING:
     from mopd.store.reader import Row, TeacherStore, open_store

@@ -9,11 +9,10 @@ import numpy as np
 
 from mopd.base.errors import StoreIntegrityError
 from mopd.base.fsio import safe_relative
-from mopd.store.chunks import ArrayReader
-from mopd.store.files import Recorded
-from mopd.store.layout import ROW_IDS, TEACHER_INDEX
-from mopd.store.locations import Location
-from mopd.store.manifest import (
+from mopd.store.arrays.binding import Recorded
+from mopd.store.arrays.read import ArrayReader
+from mopd.store.format.layout import ROW_IDS, TEACHER_INDEX
+from mopd.store.format.manifest import (
     FORMAT,
     FORMAT_VERSION,
     INT8_ROTATED,
@@ -35,6 +34,7 @@ from mopd.store.manifest import (
     canonical_json,
     load_manifest,
 )
+from mopd.store.locations.location import Location
 
 
 def _read_all(root: Location, folder: str, name: str, part: PartRecord, plan: Plan) -> np.ndarray:

@@ -24,10 +24,11 @@ import torch
 
 from mopd.base.errors import ManifestError, StoreIntegrityError
 from mopd.base.fsio import safe_relative
-from mopd.store.chunks import ArrayReader
-from mopd.store.encoding import Encoding
-from mopd.store.files import Recorded
-from mopd.store.layout import (
+from mopd.store.arrays.binding import Recorded
+from mopd.store.arrays.dtypes import TORCH_DTYPES, from_storage
+from mopd.store.arrays.read import ArrayReader
+from mopd.store.codec.int8_rotated import Encoding
+from mopd.store.format.layout import (
     CODES,
     HIDDEN,
     INPUT_IDS,
@@ -37,8 +38,7 @@ from mopd.store.layout import (
     SCALES,
     TEACHER_INDEX,
 )
-from mopd.store.locations import Location, open_location, shared_pool
-from mopd.store.manifest import (
+from mopd.store.format.manifest import (
     BOUND_FROM_VERSION,
     EncodingInfo,
     PartRecord,
@@ -49,9 +49,9 @@ from mopd.store.manifest import (
     read_manifest,
     read_record,
 )
-from mopd.store.tasks import read_encoding
-from mopd.store.tensors import TORCH_DTYPES, from_storage
-from mopd.store.transform import LogitTransform
+from mopd.store.format.transform import LogitTransform
+from mopd.store.locations.location import Location, open_location, shared_pool
+from mopd.store.task_writers import read_encoding
 
 FORMAT_1_NOTE = (
     "store format 1 has no per-chunk checksums: reads find missing and truncated chunk files, but a "

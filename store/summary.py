@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mopd.store.arrays import storage_dtype
-from mopd.store.locations import Location, open_location
-from mopd.store.manifest import (
+from mopd.store.arrays.write import storage_dtype
+from mopd.store.format.manifest import (
     EncodingInfo,
     Manifest,
     parse_part,
@@ -17,6 +16,7 @@ from mopd.store.manifest import (
     read_manifest,
     read_record,
 )
+from mopd.store.locations.location import Location, open_location
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,12 @@ from mopd.base.completion import check_complete
 from mopd.base.errors import ConfigError, MopdError
 from mopd.base.fsio import LINK_REFUSED, safe_relative
 from mopd.base.jsonio import read_json
-from mopd.store.arrays import storage_dtype
-from mopd.store.chunks import array_header, check_recorded_chunks
-from mopd.store.files import Recorded
-from mopd.store.fingerprint import fingerprint_for_format
-from mopd.store.layout import artifact_arrays
-from mopd.store.locations import Location, open_location
-from mopd.store.manifest import (
+from mopd.store.arrays.binding import Recorded
+from mopd.store.arrays.read import array_header, check_recorded_chunks
+from mopd.store.arrays.write import storage_dtype
+from mopd.store.format.fingerprint import fingerprint_for_format
+from mopd.store.format.layout import artifact_arrays
+from mopd.store.format.manifest import (
     BOUND_FROM_VERSION,
     ArtifactRecord,
     Manifest,
@@ -39,15 +38,16 @@ from mopd.store.manifest import (
     read_manifest,
     read_record,
 )
-from mopd.store.teachers import (
+from mopd.store.format.teachers import (
     TeacherIdentity,
     TeacherSlot,
     assign_teacher_indices,
     diff_teacher_lists,
     read_teacher_list,
 )
-from mopd.store.temporaries import describe as describe_temporary
-from mopd.store.temporaries import temporaries
+from mopd.store.locations.location import Location, open_location
+from mopd.store.locations.temporaries import describe as describe_temporary
+from mopd.store.locations.temporaries import temporaries
 
 _Checked = tuple[list[str], list[tuple[str, str, str]], PartRecord | None]
 

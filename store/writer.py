@@ -1,7 +1,7 @@
 """Writing a store: N jobs publish disjoint task folders, then one finalize (DESIGN §4).
 
 A task writes its folder in a workspace of its own, publishes it under its final name (a folder's rename,
-which never lands on an existing one; a bucket's create-only uploads: `locations.py`) and only then
+which never lands on an existing one; a bucket's create-only uploads: `locations/`) and only then
 creates its part record with no-clobber semantics. A job that finds a task's folder already published (a
 requeue, a duplicated array index) compares content instead of adopting blindly. Readers trust only the
 manifest, so a half-written task is never mistaken for a finished one.
@@ -20,11 +20,10 @@ import numpy as np
 from mopd.base import faults
 from mopd.base.errors import ManifestError, StoreIntegrityError
 from mopd.base.fsio import file_digests, safe_relative
-from mopd.store.arrays import ArrayAppender, create_array, write_array, write_strings
+from mopd.store.arrays.write import ArrayAppender, create_array, write_array, write_strings
 from mopd.store.finalize import build_manifest, publish_manifest
-from mopd.store.layout import ArraySpec
-from mopd.store.locations import Location, open_location
-from mopd.store.manifest import (
+from mopd.store.format.layout import ArraySpec
+from mopd.store.format.manifest import (
     PARTS_DIR,
     PLAN_FILE,
     HeadInfo,
@@ -41,7 +40,8 @@ from mopd.store.manifest import (
     part_key,
     read_record,
 )
-from mopd.store.temporaries import remove_stopped
+from mopd.store.locations.location import Location, open_location
+from mopd.store.locations.temporaries import remove_stopped
 
 _GROUP_JSON = canonical_json({"attributes": {}, "node_type": "group", "zarr_format": 3})
 

@@ -21,10 +21,10 @@ from typing import Any
 import yaml
 
 from mopd.base.fsio import file_digests, is_temporary
-from mopd.store.locations import open_location
-from mopd.store.manifest import MANIFEST_FILE
-from mopd.store.provenance import INGEST_DIR, INGEST_RECORD
-from mopd.train.metrics import METRICS_FILE, read_metrics
+from mopd.store.format.manifest import MANIFEST_FILE
+from mopd.store.format.provenance import INGEST_DIR, INGEST_RECORD
+from mopd.store.locations.location import open_location
+from mopd.train.report.metrics import METRICS_FILE, read_metrics
 from tests.mopd_process import MopdProcess, run_mopd_process
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def store_contents(store: Path | str, *, ingest_cache: bool = True) -> dict[str,
 def stored_rows(store: Path | str) -> list[int]:
     """Every row id the store's shards hold, with repeats (0 lost and 0 duplicated: each row once)."""
     from mopd.store import open_store
-    from mopd.store.layout import ROW_IDS
+    from mopd.store.format.layout import ROW_IDS
 
     opened = open_store(store)
     return sorted(int(r) for s in opened.manifest.shards for r in opened._array(s.path, ROW_IDS).read())
@@ -204,7 +204,7 @@ def one_line_error(stderr: str, op: str, code: str, k: int) -> str | None:
 
 def published_folders_complete(store: Path, reference: dict[str, Any]) -> bool:
     """Every task folder under its final name holds exactly the reference's files for it."""
-    from mopd.store.manifest import load_plan
+    from mopd.store.format.manifest import load_plan
 
     if not (store / "_plan.json").exists():
         return True
@@ -254,7 +254,7 @@ def io_error_in_checkpoint(
     line naming the operation and path, exit 1, the step-`first` checkpoint intact, nothing partial
     published; resumed again without the fault it ends as the uninterrupted run."""
     from mopd.base.completion import check_complete
-    from mopd.train.checkpoint import complete_checkpoints
+    from mopd.train.checkpoint.state import complete_checkpoints
 
     trial = f"checkpoint {code}@{op}:{k}"
     if train_in_process(config, run, "--max-steps", str(first))[0] != 0:

@@ -181,11 +181,11 @@ def test_architecture_names_every_module_and_only_modules_that_exist() -> None:
     """docs/architecture.md stays in step with the tree: it names each library module, and each
     `folder/module.py` it names exists; it stays one page."""
     text = (ROOT / "docs" / "architecture.md").read_text()
-    named = set(re.findall(r"`((?:store|config|mcore|precompute|train|cli)/[a-z_]+\.py)`", text))
+    named = set(re.findall(r"`((?:store|config|mcore|precompute|train|cli)/[a-z_/0-9]+\.py)`", text))
     tree = {
         path.relative_to(ROOT).as_posix()
         for folder in ("store", "config", "mcore", "precompute", "train", "cli")
-        for path in (ROOT / folder).glob("*.py")
+        for path in (ROOT / folder).rglob("*.py")
         if not path.name.startswith("__")
     }
     assert sorted(tree - named) == [], "modules docs/architecture.md does not name"
@@ -195,7 +195,7 @@ def test_architecture_names_every_module_and_only_modules_that_exist() -> None:
 
 def test_the_docs_name_the_store_format_version_mopd_writes() -> None:
     """Every "format version N" in the docs (and the records' module) is the one the writer stamps."""
-    from mopd.store.manifest import FORMAT_VERSION
+    from mopd.store.format.manifest import FORMAT_VERSION
 
     found = {
         (path.name, int(n))

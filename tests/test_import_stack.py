@@ -71,8 +71,10 @@ def test_config_sections_live_in_the_config_package() -> None:
 
 def test_guard_catches_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
-    bad.write_text("from mopd.train.divergence import linear_divergence\nimport torch.distributed as dist\n")
-    assert imported_modules(bad) == ["mopd.train.divergence", "torch.distributed"]
+    bad.write_text(
+        "from mopd.train.kernel.divergence import linear_divergence\nimport torch.distributed as dist\n"
+    )
+    assert imported_modules(bad) == ["mopd.train.kernel.divergence", "torch.distributed"]
 
 
 def test_the_cli_and_the_store_metadata_import_no_torch() -> None:
@@ -88,3 +90,43 @@ def test_the_cli_and_the_store_metadata_import_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+ROOMS = {
+    "store": {"arrays", "codec", "format", "locations"},
+    "train": {"backends", "checkpoint", "data", "kernel", "report"},
+}
+MAX_TOP_MODULES = 12
+
+
+def test_store_and_train_are_divided_into_rooms() -> None:
+    """At most 12 modules at the top of store/ and train/; the rest in rooms (subpackages), each with a
+    docstring that says what lives there."""
+    for layer, rooms in ROOMS.items():
+        top = sorted(p.name for p in (REPO / layer).glob("*.py") if p.name != "__init__.py")
+        assert len(top) <= MAX_TOP_MODULES, f"{layer}/ holds {len(top)} modules at its top: {top}"
+        found = {p.parent.name for p in (REPO / layer).glob("*/__init__.py")}
+        assert found == rooms, f"{layer}/'s rooms are {sorted(found)}; this test names {sorted(rooms)}"
+        for room in rooms:
+            doc = ast.get_docstring(ast.parse((REPO / layer / room / "__init__.py").read_text()))
+            assert doc and len(doc) > 80, f"{layer}/{room}/__init__.py: say what lives there"
+
+
+def room_violations(kernel: Path) -> list[str]:
+    """Imports of the rest of mopd.train from modules of train/kernel/."""
+    return [
+        f"{path.relative_to(kernel.parent.parent)} imports {module}"
+        for path in sorted(kernel.rglob("*.py"))
+        for module in imported_modules(path)
+        if module.startswith("mopd.train.") and not module.startswith("mopd.train.kernel")
+    ]
+
+
+def test_the_kernel_imports_nothing_else_of_train(tmp_path: Path) -> None:
+    """The divergence kernel stands alone (its parity tests and benchmarks need nothing of the trainer),
+    and the check would see a module that broke that."""
+    assert room_violations(REPO / "train" / "kernel") == []
+    bad = tmp_path / "train" / "kernel"
+    bad.mkdir(parents=True)
+    (bad / "divergence.py").write_text("from mopd.train.heads import TeacherHeads\n")
+    assert room_violations(bad) == ["train/kernel/divergence.py imports mopd.train.heads"]

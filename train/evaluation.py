@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 
 from mopd.config.mopd_config import MopdConfig
-from mopd.train.checkpoint import load_weights
-from mopd.train.metrics import EvalRecord
-from mopd.train.resume import init_checkpoint
+from mopd.train.checkpoint.resume import init_checkpoint
+from mopd.train.checkpoint.state import load_weights
+from mopd.train.report.metrics import EvalRecord
 from mopd.train.session import Log, open_session
 from mopd.train.store_check import check_store
 

@@ -15,8 +15,8 @@ from typing import Literal
 
 import torch
 
+from mopd.store.format.transform import LogitTransform
 from mopd.store.reader import TeacherStore
-from mopd.store.transform import LogitTransform
 
 Lifecycle = Literal["none", "offload", "evict"]
 

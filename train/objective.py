@@ -15,14 +15,14 @@ import torch.distributed as dist
 
 from mopd.base.errors import ConfigError
 from mopd.config.train import DivergenceConfig
-from mopd.store.manifest import Manifest
-from mopd.train.chunk_chain import chunk_size_for, should_compile
-from mopd.train.distributed import RankGroup
-from mopd.train.divergence import linear_cross_entropy, linear_divergence
+from mopd.store.format.manifest import Manifest
+from mopd.train.backends.groups import RankGroup
+from mopd.train.backends.hf import TrainStudent
+from mopd.train.data.loader import MicroBatch
 from mopd.train.heads import TeacherHeads
-from mopd.train.loader import MicroBatch
-from mopd.train.metrics import DivergenceStats
-from mopd.train.student import TrainStudent
+from mopd.train.kernel.chunk_chain import chunk_size_for, should_compile
+from mopd.train.kernel.divergence import linear_cross_entropy, linear_divergence
+from mopd.train.report.metrics import DivergenceStats
 
 
 class Terms(NamedTuple):

@@ -22,15 +22,15 @@ from mopd.base.devices import check_device, rank_device
 from mopd.base.errors import ConfigError
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.train import TrainConfig
+from mopd.store.format.teachers import TeacherIdentity
 from mopd.store.reader import TeacherStore, open_store
-from mopd.store.teachers import TeacherIdentity
-from mopd.train.data_order import rank_microbatches
-from mopd.train.distributed import RankGroup
+from mopd.train.backends.groups import RankGroup
+from mopd.train.backends.hf import HFStudent, LossFn, TrainStudent
+from mopd.train.data.loader import MicroBatch, read_microbatches
+from mopd.train.data.order import rank_microbatches
 from mopd.train.heads import TeacherHeads
-from mopd.train.loader import MicroBatch, read_microbatches
-from mopd.train.metrics import EvalRecord
 from mopd.train.objective import Objective, StepStats, teacher_weights
-from mopd.train.student import HFStudent, LossFn, TrainStudent
+from mopd.train.report.metrics import EvalRecord
 from mopd.train.vocabulary import distilled_vocabulary
 
 Log = Callable[[str], None]
@@ -184,7 +184,7 @@ def _load_student(tc: TrainConfig, device: torch.device, world: RankGroup, exits
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[tc.dtype]
     if tc.backend == "megatron":
         from mopd.mcore.parallel import ModelParallelGroup
-        from mopd.train.megatron_student import MegatronStudent
+        from mopd.train.backends.megatron import MegatronStudent
 
         group = exits.enter_context(ModelParallelGroup.start(tc.parallel, device, what="train.parallel"))
         student: TrainStudent = MegatronStudent(
@@ -195,7 +195,7 @@ def _load_student(tc: TrainConfig, device: torch.device, world: RankGroup, exits
             activation_checkpointing=tc.activation_checkpointing,
         )
     elif tc.backend == "fsdp":
-        from mopd.train.fsdp_student import FSDPStudent
+        from mopd.train.backends.fsdp import FSDPStudent
 
         student = FSDPStudent(
             tc.student,

@@ -13,11 +13,11 @@ from pathlib import Path
 
 from mopd.base.errors import ConfigError
 from mopd.config.mopd_config import MopdConfig
-from mopd.store.locations import Location
-from mopd.store.manifest import Manifest
-from mopd.store.provenance import recorded_source, same_source
+from mopd.store.format.manifest import Manifest
+from mopd.store.format.provenance import recorded_source, same_source
+from mopd.store.locations.location import Location
 from mopd.store.verify import check_config, check_routing
-from mopd.train.distributed import RankGroup
+from mopd.train.backends.groups import RankGroup
 
 
 def store_differences(config: MopdConfig, manifest: Manifest) -> tuple[list[str], list[str]]:

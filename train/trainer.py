@@ -30,17 +30,21 @@ from mopd.base.errors import ConfigError, MopdError, OutOfMemoryError
 from mopd.base.fsio import write_replace
 from mopd.config.mopd_config import EFFECTIVE_CONFIG_FILE, MopdConfig, dump_config
 from mopd.config.train import BatchConfig
-from mopd.train.checkpoint import (
+from mopd.train.checkpoint.resume import RunIdentity, init_checkpoint, resume_checkpoint
+from mopd.train.checkpoint.run_record import run_record
+from mopd.train.checkpoint.state import (
     ResumePoint,
     complete_checkpoints,
     load_checkpoint,
     load_weights,
     save_checkpoint,
 )
-from mopd.train.data_order import LoaderState, epoch_steps
-from mopd.train.loader import MicroBatch, Step, StoreLoader
-from mopd.train.memory import allocation_failure, estimate_peak, memory_settings
-from mopd.train.metrics import (
+from mopd.train.data.loader import MicroBatch, Step, StoreLoader
+from mopd.train.data.order import LoaderState, epoch_steps
+from mopd.train.objective import StepStats
+from mopd.train.precision import pure_bf16_warning, unchanged_share
+from mopd.train.report.memory import allocation_failure, estimate_peak, memory_settings
+from mopd.train.report.metrics import (
     PLOT_FILE,
     Eta,
     EvalRecord,
@@ -55,13 +59,9 @@ from mopd.train.metrics import (
     step_line,
     teacher_names,
 )
-from mopd.train.objective import StepStats
-from mopd.train.precision import pure_bf16_warning, unchanged_share
-from mopd.train.resume import RunIdentity, init_checkpoint, resume_checkpoint
-from mopd.train.run_record import run_record
+from mopd.train.report.tracking import Trackers, check_trackers
 from mopd.train.session import Log, open_session
 from mopd.train.store_check import check_store
-from mopd.train.tracking import Trackers, check_trackers
 
 
 class NonFiniteError(MopdError):

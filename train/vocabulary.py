@@ -11,7 +11,7 @@ past V, of either side, is masked out of both softmaxes. Only a side with fewer 
 from __future__ import annotations
 
 from mopd.base.errors import ConfigError
-from mopd.store.manifest import Manifest
+from mopd.store.format.manifest import Manifest
 
 
 def distilled_vocabulary(manifest: Manifest, *, student_rows: int, override: int | None = None) -> int:

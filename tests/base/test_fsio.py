@@ -7,7 +7,7 @@ import pytest
 
 from mopd.base.errors import FilesystemError, ManifestError, StoreIntegrityError
 from mopd.base.fsio import create_exclusive, probe_filesystem, publish_dir, safe_relative
-from mopd.store.folder import Folder
+from mopd.store.locations.folder import Folder
 
 
 def test_create_exclusive_never_overwrites(tmp_path: Path) -> None:

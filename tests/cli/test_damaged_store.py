@@ -17,9 +17,9 @@ from mopd.cli.main import cli
 from mopd.config.mopd_config import load_config
 from mopd.precompute.runner import run_precompute
 from mopd.store import StoreIntegrityError, open_store
-from mopd.store.layout import HIDDEN, INPUT_IDS, LOSS_MASK, OFFSETS, ROW_IDS, TEACHER_INDEX
-from mopd.train.data_order import LoaderState
-from mopd.train.metrics import METRICS_FILE, read_metrics
+from mopd.store.format.layout import HIDDEN, INPUT_IDS, LOSS_MASK, OFFSETS, ROW_IDS, TEACHER_INDEX
+from mopd.train.data.order import LoaderState
+from mopd.train.report.metrics import METRICS_FILE, read_metrics
 from mopd.train.trainer import Trainer
 from tests.precompute.teachers import make_tokenizer, save_teacher
 from tests.store.synthetic import VOCAB_SIZE, head_for, hidden_for, tokens_for

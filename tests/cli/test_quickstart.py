@@ -13,8 +13,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from mopd.cli.main import cli
 from mopd.cli.quickstart_assets import STUDENT, write_dataset
 from mopd.store.reader import open_store
-from mopd.train.metrics import read_metrics
-from mopd.train.tracking import TENSORBOARD_FOLDER
+from mopd.train.report.metrics import read_metrics
+from mopd.train.report.tracking import TENSORBOARD_FOLDER
 from tests.precompute.teachers import assert_same_chat_tokens
 from tests.tolerance import assert_same_training
 

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from mopd.base.completion import write_complete
 from mopd.cli.main import cli
-from mopd.store.manifest import MANIFEST_FILE, PARTS_DIR
-from mopd.store.teachers import TeacherIdentity, write_teacher_list
+from mopd.store.format.manifest import MANIFEST_FILE, PARTS_DIR
+from mopd.store.format.teachers import TeacherIdentity, write_teacher_list
 from tests.store.synthetic import StoreSpec, make_checkpoint
 
 
@@ -230,7 +230,7 @@ def test_part_record_paths_cannot_escape_the_store(small_store: StoreSpec) -> No
     manifest = json.loads((root / MANIFEST_FILE).read_text())
     for shard in manifest["shards"]:
         if shard["task_id"] == "teacher_001_shard_000000":
-            from mopd.store.manifest import artifact_hash
+            from mopd.store.format.manifest import artifact_hash
 
             shard["part_sha256"] = sha256_file(part_path)
             shard["hash"] = artifact_hash({k: tuple(v) for k, v in part["files"].items()})
@@ -273,8 +273,8 @@ def test_folders_checked_in_several_processes_find_what_one_process_finds(
     """Large stores split the folder checks over processes: the same problems, in the same order, and
     the same files to hash, as one process; also from a caller with threads running (whose children
     start from a fork server)."""
-    from mopd.store.folder import Folder
-    from mopd.store.manifest import read_manifest
+    from mopd.store.format.manifest import read_manifest
+    from mopd.store.locations.folder import Folder
     from mopd.store.verify import _folder_checks
 
     root = Path(small_store.root)

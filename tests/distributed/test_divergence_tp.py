@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mopd.train.divergence import linear_cross_entropy, linear_divergence
-from mopd.train.divergence_reference import reference_divergence
+from mopd.train.kernel.divergence import linear_cross_entropy, linear_divergence
+from mopd.train.kernel.reference import reference_divergence
 from tests.distributed.harness import run_distributed
 from tests.tolerance import assert_close, perturbed, sum_rtol, value_atol
 from tests.train.divergence_cases import Case, logit_range, make_case

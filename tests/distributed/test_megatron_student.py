@@ -12,7 +12,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from mopd.mcore.convert import megatron_to_hf
-from mopd.train.divergence import linear_divergence
+from mopd.train.kernel.divergence import linear_divergence
 from tests.distributed.harness import run_distributed
 from tests.precompute.teachers import make_tokenizer, save_teacher
 from tests.tolerance import assert_close, forward_rtol, perturbed
@@ -82,7 +82,7 @@ def megatron_step(
 
     from mopd.config.parallel import ParallelConfig
     from mopd.mcore.parallel import ModelParallelGroup
-    from mopd.train.megatron_student import MegatronStudent
+    from mopd.train.backends.megatron import MegatronStudent
 
     group = ModelParallelGroup.start(ParallelConfig(tp=tp, pp=pp), torch.device("cpu"), what="train.parallel")
     try:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 
-from mopd.train.megatron_student import DIST_CHECKPOINT
+from mopd.train.backends.megatron import DIST_CHECKPOINT
 from tests.distributed.harness import run_distributed
 from tests.precompute.teachers import agent_records, make_tokenizer, save_teacher, write_jsonl
 from tests.train.world import write_train_config

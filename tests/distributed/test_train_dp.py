@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mopd.train.checkpoint import complete_checkpoints
-from mopd.train.metrics import METRICS_FILE, read_metrics
+from mopd.train.checkpoint.state import complete_checkpoints
+from mopd.train.report.metrics import METRICS_FILE, read_metrics
 from mopd.train.trainer import run_training
 from tests.distributed.harness import run_torchrun
 from tests.tolerance import assert_same_training, perturbed

@@ -16,9 +16,9 @@ from click.testing import CliRunner
 from mopd.base.fsio import is_temporary
 from mopd.cli.main import cli
 from mopd.store.reader import open_store
-from mopd.train.checkpoint import complete_checkpoints
-from mopd.train.data_order import epoch_steps, rank_microbatches
-from mopd.train.metrics import METRICS_FILE, read_metrics
+from mopd.train.checkpoint.state import complete_checkpoints
+from mopd.train.data.order import epoch_steps, rank_microbatches
+from mopd.train.report.metrics import METRICS_FILE, read_metrics
 from mopd.train.trainer import run_training
 from tests.distributed.harness import run_distributed, run_torchrun
 from tests.tolerance import (
@@ -131,9 +131,9 @@ def _head_gradient(
     maybe none), each loss Σ logsumexp(hidden · headᵀ) over its tokens."""
     from torch.distributed.tensor import DTensor
 
-    from mopd.train.distributed import RankGroup
-    from mopd.train.fsdp_student import FSDPStudent
-    from mopd.train.student import HFStudent
+    from mopd.train.backends.fsdp import FSDPStudent
+    from mopd.train.backends.groups import RankGroup
+    from mopd.train.backends.hf import HFStudent
 
     kind = FSDPStudent if backend == "fsdp" else HFStudent
     model = kind(student, device=torch.device("cpu"), dtype=torch.float32, dp=RankGroup(rank, world_size))
@@ -167,8 +167,8 @@ def test_the_heads_gradient_is_summed_over_the_ranks(
     averaging reduction, DistributedDataParallel's default, 1/W of the sum). Rank 0 runs two
     microbatches, rank 1 one, a third rank none (fillers only). Tied: the embedding matrix is the head
     (under fsdp one unit), its gradient from both uses. `hf`: whole replicas under torch's DDP."""
-    from mopd.train.distributed import RankGroup
-    from mopd.train.student import HFStudent
+    from mopd.train.backends.groups import RankGroup
+    from mopd.train.backends.hf import HFStudent
     from tests.precompute.teachers import make_tokenizer, save_teacher
 
     student = world.student
@@ -236,7 +236,7 @@ def test_sharded_checkpoints_resume_on_any_rank_count_and_export(world: World, t
     of the uninterrupted run. `export-hf` of its last checkpoint gives the live student's logits."""
     from transformers import AutoModelForCausalLM
 
-    from mopd.train.export import export_hf
+    from mopd.train.checkpoint.export import export_hf
 
     options = {**OPTIONS, "backend": "fsdp", "steps": 6, "checkpoint": {"every": 2, "keep": 3}}
     args = (world, str(tmp_path / "configs"), options)
@@ -346,8 +346,8 @@ def test_fsdp_mixed_precision_keeps_fp32_shards_and_follows_the_fp32_run(
 
 def _shard_shares(rank: int, world_size: int, student: str, replicate: int) -> list[float]:
     """Each parameter's local share of its elements on this rank."""
-    from mopd.train.distributed import RankGroup
-    from mopd.train.fsdp_student import FSDPStudent
+    from mopd.train.backends.fsdp import FSDPStudent
+    from mopd.train.backends.groups import RankGroup
 
     model = FSDPStudent(
         student,

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from mopd.config.mopd_config import load_config
-from mopd.train.metrics import METRICS_FILE, read_metrics
+from mopd.train.report.metrics import METRICS_FILE, read_metrics
 from mopd.train.trainer import TrainResult, run_training
 from tests.distributed.harness import run_distributed, run_mopd, run_torchrun
 from tests.precompute.teachers import assert_same_chat_tokens, make_tokenizer, save_teacher
@@ -310,7 +310,7 @@ def _check_exported(
     from mopd.base.errors import MopdError
     from mopd.config.parallel import ParallelConfig
     from mopd.mcore.parallel import ModelParallelGroup
-    from mopd.train.megatron_student import MegatronStudent
+    from mopd.train.backends.megatron import MegatronStudent
     from mopd.train.trainer import Trainer
 
     group = ModelParallelGroup.start(ParallelConfig(tp=2, pp=2), torch.device("cpu"), what="train.parallel")

@@ -12,7 +12,7 @@ import yaml
 from mopd.config.mopd_config import load_config
 from mopd.precompute.runner import run_precompute
 from mopd.store import TeacherStore, open_store
-from mopd.store.manifest import MANIFEST_FILE, PLAN_FILE
+from mopd.store.format.manifest import MANIFEST_FILE, PLAN_FILE
 from tests.tolerance import assert_close, network_rtol
 
 

@@ -20,12 +20,12 @@ from mopd.config.mopd_config import load_config
 from mopd.precompute.outputs import StoreOutput
 from mopd.precompute.runner import run_precompute
 from mopd.store import open_store
-from mopd.store.chunks import clear_cache
-from mopd.store.encoding import Calibration, expected_kl, kl_bound, logit_divergence
-from mopd.store.layout import CODES, MEAN
-from mopd.store.manifest import CALIBRATION_FILE, INT8_ROTATED, MANIFEST_FILE, PLAN_FILE, load_plan
+from mopd.store.arrays.read import clear_cache
+from mopd.store.codec.int8_rotated import Calibration, expected_kl, kl_bound, logit_divergence
+from mopd.store.format.layout import CODES, MEAN
+from mopd.store.format.manifest import CALIBRATION_FILE, INT8_ROTATED, MANIFEST_FILE, PLAN_FILE, load_plan
+from mopd.store.format.transform import LogitTransform
 from mopd.store.summary import summarise_store
-from mopd.store.transform import LogitTransform
 from mopd.store.verify import verify_store
 from tests.fault_trials import store_contents
 from tests.precompute.conftest import write_config

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mopd.base.fsio import file_digests, is_temporary
-from mopd.store.manifest import MANIFEST_FILE, PARTS_DIR
+from mopd.store.format.manifest import MANIFEST_FILE, PARTS_DIR
 from tests.mopd_process import MopdProcess, run_mopd_process
 from tests.precompute.conftest import BACKENDS, four_aliases, write_config
 from tests.precompute.teachers import mixed_records, write_jsonl

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from mopd.cli.main import cli
-from mopd.store.fingerprint import checkpoint_fingerprint
+from mopd.store.format.fingerprint import checkpoint_fingerprint
 from tests.precompute.conftest import write_config
 from tests.precompute.teachers import mixed_records, write_jsonl
 

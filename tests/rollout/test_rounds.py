@@ -20,8 +20,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from mopd.base.errors import ConfigError
 from mopd.config.mopd_config import load_config
 from mopd.rollout.rounds import Rounds, run_rounds
-from mopd.train.checkpoint import complete_checkpoints
-from mopd.train.tracking import TENSORBOARD_FOLDER
+from mopd.train.checkpoint.state import complete_checkpoints
+from mopd.train.report.tracking import TENSORBOARD_FOLDER
 from tests.mopd_process import run_mopd_process
 from tests.precompute.teachers import agent_records, write_jsonl
 from tests.rollout.conftest import Models, chat_prompts, rollout_config

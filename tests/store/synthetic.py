@@ -18,11 +18,19 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from mopd.store.fingerprint import checkpoint_fingerprint, vocab_hash
-from mopd.store.layout import plan_tasks, shard_rows
-from mopd.store.manifest import DatasetInfo, HeadTask, Plan, RowsTask, StorageInfo, TeacherInfo, TokenizerInfo
-from mopd.store.tasks import HiddenShardWriter, pack_rows, write_lm_head, write_rows
-from mopd.store.teachers import alias_to_index, assign_teacher_indices
+from mopd.store.format.fingerprint import checkpoint_fingerprint, vocab_hash
+from mopd.store.format.layout import plan_tasks, shard_rows
+from mopd.store.format.manifest import (
+    DatasetInfo,
+    HeadTask,
+    Plan,
+    RowsTask,
+    StorageInfo,
+    TeacherInfo,
+    TokenizerInfo,
+)
+from mopd.store.format.teachers import alias_to_index, assign_teacher_indices
+from mopd.store.task_writers import HiddenShardWriter, pack_rows, write_lm_head, write_rows
 from mopd.store.writer import StoreWriter
 
 VOCAB_SIZE = 300

@@ -18,9 +18,9 @@ import pytest
 
 from mopd.base.errors import MopdError
 from mopd.store import open_store
-from mopd.store.files import CRC_FILE
-from mopd.store.layout import HIDDEN
-from mopd.store.manifest import MANIFEST_FILE, PARTS_DIR
+from mopd.store.arrays.binding import CRC_FILE
+from mopd.store.format.layout import HIDDEN
+from mopd.store.format.manifest import MANIFEST_FILE, PARTS_DIR
 from mopd.store.verify import verify_store
 from tests.store import synthetic
 from tests.store.synthetic import StoreSpec, build_store

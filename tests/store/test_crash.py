@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mopd.store import StoreIncompleteError, open_store
-from mopd.store.manifest import MANIFEST_FILE, PARTS_DIR
+from mopd.store.format.manifest import MANIFEST_FILE, PARTS_DIR
 from mopd.store.verify import verify_store
 from tests.store.synthetic import StoreSpec, build_plan, build_store, hidden_for
 

@@ -1,6 +1,6 @@
 """The int8-rotated encoding's arithmetic: the rotation is orthogonal at every hidden size, it takes a
 massive channel's cost away, the KL formula is exact where the naive one cancels, and the KL a token
-costs obeys the error model (`store/encoding.py`)."""
+costs obeys the error model (`store/codec/int8_rotated.py`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from mopd.store.encoding import Encoding, draw_rotation, expected_kl, kl_bound, logit_divergence
-from mopd.store.layout import factors
+from mopd.store.codec.int8_rotated import Encoding, draw_rotation, expected_kl, kl_bound, logit_divergence
+from mopd.store.format.layout import factors
 
 # fp32 rounding of a rotated value: each of the m + a + b products of a value's path adds at most one
 # unit in the last place of a sum of unit-norm terms; 64 ulps of 1 covers every size below.

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from mopd.store.fingerprint import checkpoint_fingerprint, lm_head_tensor_name, vocab_hash
+from mopd.store.format.fingerprint import checkpoint_fingerprint, lm_head_tensor_name, vocab_hash
 from tests.store.synthetic import make_checkpoint
 
 

@@ -19,9 +19,9 @@ from mopd.base.completion import COMPLETE, read_complete
 from mopd.base.errors import CheckpointError, ConfigError, ManifestError
 from mopd.base.jsonio import MAX_DEPTH
 from mopd.config.mopd_config import parse_config, parse_yaml
-from mopd.store.manifest import parse_manifest, parse_part, parse_plan
-from mopd.store.teachers import TEACHER_LIST_FILE, read_teacher_list
-from mopd.train.checkpoint import read_state
+from mopd.store.format.manifest import parse_manifest, parse_part, parse_plan
+from mopd.store.format.teachers import TEACHER_LIST_FILE, read_teacher_list
+from mopd.train.checkpoint.state import read_state
 from tests.store.synthetic import StoreSpec
 
 FUZZ = settings(

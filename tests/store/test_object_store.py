@@ -20,12 +20,13 @@ from click.testing import CliRunner
 
 from mopd.base.errors import FilesystemError, StoreIntegrityError
 from mopd.cli.main import cli
-from mopd.store import chunks, open_store
-from mopd.store.bucket import Bucket
-from mopd.store.chunks import clear_cache
-from mopd.store.layout import HIDDEN
-from mopd.store.locations import merged, open_location
-from mopd.store.manifest import MANIFEST_FILE, PARTS_DIR, load_manifest, load_part, part_key
+from mopd.store import open_store
+from mopd.store.arrays import read as chunks
+from mopd.store.arrays.read import clear_cache
+from mopd.store.format.layout import HIDDEN
+from mopd.store.format.manifest import MANIFEST_FILE, PARTS_DIR, load_manifest, load_part, part_key
+from mopd.store.locations.bucket import Bucket
+from mopd.store.locations.location import merged, open_location
 from mopd.store.verify import verify_store
 from mopd.store.writer import StoreWriter
 from tests.object_store import S3Server

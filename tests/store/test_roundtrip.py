@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mopd.store import StoreIntegrityError, open_store
-from mopd.store.chunks import ArrayReader, clear_cache
+from mopd.store.arrays.read import ArrayReader, clear_cache
 from tests.store.synthetic import VOCAB_SIZE, StoreSpec, build_store, head_for, hidden_for, tokens_for
 from tests.tolerance import assert_close
 
@@ -86,7 +86,7 @@ def test_lm_head_slice_reads_only_overlapping_chunks(
 ) -> None:
     """Each slice decodes exactly the chunks it overlaps, and still reads with every other chunk of the
     head deleted."""
-    from mopd.store import chunks
+    from mopd.store.arrays import read as chunks
 
     # 48 hidden × 4 bytes × 16 rows = 3072 bytes per chunk → 300 rows in 19 chunks of 16 rows.
     spec = dataclasses.replace(small_spec, chunk_bytes=48 * 4 * 16)
@@ -137,8 +137,8 @@ def test_lm_head_slice_past_vocabulary_is_zero_padding(small_store: StoreSpec) -
 def test_an_all_zero_chunk_is_written_and_read_back(tmp_path: Path) -> None:
     """Every chunk is on disk, zeros too: a reader that refuses missing chunks then reads a zero chunk
     as the zeros it holds (zarr skips such chunks by default, which would make them unreadable here)."""
-    from mopd.store.arrays import write_array
-    from mopd.store.chunks import ArrayReader
+    from mopd.store.arrays.read import ArrayReader
+    from mopd.store.arrays.write import write_array
 
     data = np.zeros((64, 4), dtype=np.uint16)
     data[40:] = 7
@@ -155,7 +155,7 @@ def test_zarr_python_and_tensorstore_read_the_shard_files_mopd_writes(tmp_path: 
     import tensorstore as ts
     import zarr
 
-    from mopd.store.arrays import write_array
+    from mopd.store.arrays.write import write_array
 
     rng = np.random.default_rng(0)
     arrays = {

@@ -8,7 +8,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mopd.store.teachers import TeacherIdentity, assign_teacher_indices, diff_teacher_lists
+from mopd.store.format.teachers import TeacherIdentity, assign_teacher_indices, diff_teacher_lists
 
 CHECKPOINTS = [f"/ckpts/{name}" for name in ("qwen-math", "llama-code", "chat", "a", "zz", "m/x")]
 aliases = st.text(alphabet="abcdefghij_", min_size=1, max_size=8)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mopd.store.transform import LogitTransform
+from mopd.store.format.transform import LogitTransform
 
 
 @dataclass

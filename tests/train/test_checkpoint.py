@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 from mopd.base.completion import write_complete
 from mopd.base.errors import ConfigError
 from mopd.cli.main import cli
-from mopd.store.teachers import TEACHER_LIST_FILE
-from mopd.train.checkpoint import COMPLETE, complete_checkpoints
+from mopd.store.format.teachers import TEACHER_LIST_FILE
+from mopd.train.checkpoint.state import COMPLETE, complete_checkpoints
 from mopd.train.trainer import Trainer, run_training
 from tests.precompute.teachers import assert_same_chat_tokens
 from tests.train.world import World, world_config

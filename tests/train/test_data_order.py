@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mopd.train.data_order import LoaderState, epoch_permutation, epoch_steps, rank_microbatches, rank_share
+from mopd.train.data.order import LoaderState, epoch_permutation, epoch_steps, rank_microbatches, rank_share
 
 lengths_strategy = st.lists(st.integers(1, 500), min_size=1, max_size=80).map(np.array)
 

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from mopd.train import chunk_chain
-from mopd.train.chunk_chain import chunk_size_for, should_compile
-from mopd.train.divergence import KINDS, linear_cross_entropy, linear_divergence
+from mopd.train.kernel import chunk_chain
+from mopd.train.kernel.chunk_chain import chunk_size_for, should_compile
+from mopd.train.kernel.divergence import KINDS, linear_cross_entropy, linear_divergence
 from tests.tolerance import LAMBDA, U, assert_close
 from tests.train.divergence_cases import make_case
 from tests.train.test_divergence import run_fused
@@ -93,7 +93,7 @@ def test_the_compiled_hard_label_chain_matches_the_eager_one() -> None:
 
 def test_chunk_size_setting() -> None:
     from mopd.config.train import DivergenceConfig
-    from mopd.train.chunk_chain import AUTO_CHUNK
+    from mopd.train.kernel.chunk_chain import AUTO_CHUNK
 
     assert DivergenceConfig().chunk_size == "auto"
     assert chunk_size_for("auto", torch.device("cpu")) == AUTO_CHUNK["cpu"]

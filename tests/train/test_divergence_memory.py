@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from mopd.train.divergence import linear_divergence
-from mopd.train.divergence_reference import reference_divergence
+from mopd.train.kernel.divergence import linear_divergence
+from mopd.train.kernel.reference import reference_divergence
 from tests.train.allocations import LargestAllocation, PeakLiveBytes
 
 N, V, HS, HT, CHUNK = 4096, 8192, 64, 96, 256

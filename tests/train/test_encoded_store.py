@@ -14,9 +14,9 @@ from mopd.base.errors import CheckpointError
 from mopd.config.mopd_config import load_config
 from mopd.precompute.runner import run_precompute
 from mopd.store import open_store
-from mopd.store.manifest import INT8_ROTATED
+from mopd.store.format.manifest import INT8_ROTATED
 from mopd.store.verify import verify_store
-from mopd.train.checkpoint import complete_checkpoints
+from mopd.train.checkpoint.state import complete_checkpoints
 from mopd.train.trainer import run_training
 from tests.fault_trials import train_records
 from tests.train.world import World, world_config, write_train_config

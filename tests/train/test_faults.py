@@ -79,7 +79,7 @@ def test_a_full_disk_inside_a_checkpoint_write_is_one_line(
     partial published; given room again, the run resumes to the uninterrupted run's records. Where no
     tmpfs can be mounted the same failure is injected at the save's second write."""
     from mopd.base.completion import check_complete
-    from mopd.train.checkpoint import complete_checkpoints
+    from mopd.train.checkpoint.state import complete_checkpoints
 
     config, whole = reference
     checkpoint = folder_bytes(complete_checkpoints(config.parent / "whole" / "checkpoints")[0])

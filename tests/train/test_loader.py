@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from mopd.store.reader import TeacherStore, open_store
-from mopd.train.data_order import LoaderState
-from mopd.train.loader import IGNORE, StoreLoader, read_microbatches
+from mopd.train.data.loader import IGNORE, StoreLoader, read_microbatches
+from mopd.train.data.order import LoaderState
 from tests.train.world import World
 
 

@@ -12,11 +12,11 @@ import pytest
 from click.testing import CliRunner
 
 from mopd.cli.main import cli
-from mopd.store.bucket import Bucket
-from mopd.store.chunks import clear_cache
-from mopd.store.folder import Folder
-from mopd.store.layout import HIDDEN
-from mopd.store.manifest import load_manifest
+from mopd.store.arrays.read import clear_cache
+from mopd.store.format.layout import HIDDEN
+from mopd.store.format.manifest import load_manifest
+from mopd.store.locations.bucket import Bucket
+from mopd.store.locations.folder import Folder
 from mopd.train.trainer import run_training
 from tests.fault_trials import train_records
 from tests.train.world import World, world_config

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from mopd.train.memory import ACTIVATION_VALUES_PER_LAYER, estimate_peak
+from mopd.train.report.memory import ACTIVATION_VALUES_PER_LAYER, estimate_peak
 from mopd.train.trainer import Trainer
 from tests.train.world import World, world_config
 

@@ -21,7 +21,7 @@ from mopd.cli.main import cli
 from mopd.config.mopd_config import load_config
 from mopd.precompute.runner import run_precompute
 from mopd.store import open_store
-from mopd.train.data_order import LoaderState
+from mopd.train.data.order import LoaderState
 from mopd.train.trainer import Trainer, run_training
 from tests.precompute.teachers import agent_records, make_tokenizer, save_teacher, write_jsonl
 from tests.tolerance import U, assert_close, sum_rtol, value_atol

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from mopd.train.metrics import (
+from mopd.train.report.metrics import (
     METRICS_FILE,
     Eta,
     Lap,

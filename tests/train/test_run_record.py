@@ -14,10 +14,10 @@ from mopd.base.errors import CheckpointError
 from mopd.cli.main import cli
 from mopd.config.mopd_config import EFFECTIVE_CONFIG_FILE, load_config
 from mopd.store import open_store
-from mopd.store.manifest import load_plan
-from mopd.train.checkpoint import complete_checkpoints
-from mopd.train.metrics import METRICS_FILE, read_metrics
-from mopd.train.run_record import RESUMABLE, diff_run_records, run_record
+from mopd.store.format.manifest import load_plan
+from mopd.train.checkpoint.run_record import RESUMABLE, diff_run_records, run_record
+from mopd.train.checkpoint.state import complete_checkpoints
+from mopd.train.report.metrics import METRICS_FILE, read_metrics
 from mopd.train.trainer import Trainer, lr_factor, run_training
 from tests.train.world import World, world_config
 

@@ -13,9 +13,15 @@ from typing import Any
 import pytest
 
 from mopd.base.errors import ConfigError
-from mopd.train.checkpoint import complete_checkpoints, read_state
-from mopd.train.metrics import METRICS_FILE, read_metrics, read_teacher_names
-from mopd.train.tracking import MLFLOW_DATABASE, TENSORBOARD_FOLDER, WANDB_FOLDER, check_trackers, scalars
+from mopd.train.checkpoint.state import complete_checkpoints, read_state
+from mopd.train.report.metrics import METRICS_FILE, read_metrics, read_teacher_names
+from mopd.train.report.tracking import (
+    MLFLOW_DATABASE,
+    TENSORBOARD_FOLDER,
+    WANDB_FOLDER,
+    check_trackers,
+    scalars,
+)
 from mopd.train.trainer import Trainer, run_training
 from tests.tolerance import U, assert_close
 from tests.train.world import World, world_config

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mopd.train.data_order import LoaderState
+from mopd.train.data.order import LoaderState
 from mopd.train.trainer import Trainer
 from tests.train.allocations import LargestVocabAllocation
 from tests.train.world import World, world_config

@@ -15,11 +15,11 @@ import torch
 
 from mopd.base.completion import COMPLETE, write_complete
 from mopd.base.errors import ConfigError, ManifestError
+from mopd.store.format.teachers import TEACHER_LIST_FILE
 from mopd.store.reader import TeacherStore, open_store
-from mopd.store.teachers import TEACHER_LIST_FILE
-from mopd.train.checkpoint import complete_checkpoints
-from mopd.train.metrics import METRICS_FILE, PLOT_FILE, read_metrics
+from mopd.train.checkpoint.state import complete_checkpoints
 from mopd.train.objective import teacher_weights
+from mopd.train.report.metrics import METRICS_FILE, PLOT_FILE, read_metrics
 from mopd.train.trainer import (
     NonFiniteError,
     Trainer,
@@ -169,7 +169,7 @@ def test_each_row_uses_its_own_teachers_head(world: World, tmp_path: Path) -> No
 
 
 def trainer_state(trainer: Trainer) -> Any:
-    from mopd.train.data_order import LoaderState
+    from mopd.train.data.order import LoaderState
 
     return LoaderState(trainer.tc.seed)
 

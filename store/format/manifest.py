@@ -1,0 +1,464 @@
+"""Schemas of the store's JSON records: the plan, task part records and the manifest (format version 4).
+
+- `_plan.json`: written once when a store is created; every later job must plan the same store.
+- `_parts/<task_id>.json`: created no-clobber by a task after its output folder is durable.
+- `manifest.json`: written last by finalize; the only thing readers trust.
+
+All three are canonical JSON (sorted keys). Fields that legitimately differ between two runs that
+computed the same bytes (time, host) live under `volatile` and are excluded from every comparison.
+
+A task comes in four kinds, each its own type (`RowsTask`, `HeadTask`, `ShardTask`, and in an
+int8-rotated store `EncodingTask`): a head, a shard and an encoding always know their teacher, so nothing
+downstream guesses one. Version 2 adds per-chunk crc32c
+checksums to every array and writes every chunk, so a read can tell a missing chunk from a zero one;
+a fingerprint covers every byte of a teacher that decides its outputs. Version 3 keeps the records of
+version 2 and changes only the arrays' layout (one shard file per array of small inner chunks,
+`arrays.py`): `storage.chunk_bytes` is then the inner chunk's size. Version 4 keeps that layout and adds
+beside each shard the list of its chunks' checksums (`chunks.CRC_FILE`), which binds every chunk a reader
+decodes to the file the part record names. Version 1 records are upgraded on reading (`format_version`
+keeps saying 1, so readers know which guarantees hold). An int8-rotated store (`storage.encoding`)
+requires the feature `int8-rotated` of its readers; an exact store's records are unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    model_serializer,
+)
+
+from mopd.base.errors import ManifestError, StoreIncompleteError
+from mopd.base.jsonio import MAX_RECORD_BYTES, describe_location, parse_json
+from mopd.store.arrays.binding import Recorded
+from mopd.store.format.legacy import upgrade_v1_manifest, upgrade_v1_part, upgrade_v1_plan
+from mopd.store.locations.location import Location, open_location
+
+FORMAT = "mopd-teacher-store"
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
+BOUND_FROM_VERSION = 4  # from this version on, every chunk read is bound to its recorded file
+# `storage.encoding`: hidden states as computed, or 8-bit codes (`encoding.py`); a store of the latter
+# requires the feature of that name of its readers.
+EXACT, INT8_ROTATED = "exact", "int8-rotated"
+KNOWN_FEATURES: frozenset[str] = frozenset({INT8_ROTATED})
+
+MANIFEST_FILE = "manifest.json"
+CALIBRATION_FILE = "calibration.json"  # an encoding task's `EncodingInfo`, in its folder
+PLAN_FILE = "_plan.json"
+PARTS_DIR = "_parts"
+
+
+# Counts, sizes, indices and positions: JSON integers ≥ 0 (never a bool, a float or a numeric string).
+Count = Annotated[StrictInt, Field(ge=0)]
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Fields added to format 4 after its first stores were written: left out of the JSON while they hold
+    # their default, so that such a record is byte for byte what an earlier mopd wrote (same hashes).
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        for name in self.OMITTED_AT_DEFAULT:
+            if getattr(self, name) == type(self).model_fields[name].default:
+                data.pop(name, None)
+        return data
+
+
+class RowsTask(_Record):
+    """The rows: tokens, loss masks, teacher index and source key of rows [row_start, row_stop)."""
+
+    kind: Literal["rows"] = "rows"
+    task_id: str
+    path: str
+    row_start: Count = 0
+    row_stop: Count
+
+
+class HeadTask(_Record):
+    """One teacher's LM head."""
+
+    kind: Literal["lm_head"] = "lm_head"
+    task_id: str
+    path: str
+    teacher: Count
+
+
+class ShardTask(_Record):
+    """Teacher `teacher`'s hidden states of its rows in [row_start, row_stop): its shard `shard`."""
+
+    kind: Literal["hidden"] = "hidden"
+    task_id: str
+    path: str
+    teacher: Count
+    shard: Count
+    row_start: Count
+    row_stop: Count
+
+
+class EncodingTask(_Record):
+    """Teacher `teacher`'s encoding of an int8-rotated store: its mean and rotation, fitted on the rows of
+    its first shard. A job runs it before its first shard of the teacher unless another job has."""
+
+    kind: Literal["encoding"] = "encoding"
+    task_id: str
+    path: str
+    teacher: Count
+
+
+TaskSpec = Annotated[RowsTask | HeadTask | ShardTask | EncodingTask, Field(discriminator="kind")]
+
+
+class TeacherInfo(_Record):
+    """What is known of a teacher before any forward pass."""
+
+    index: Count
+    checkpoint: str
+    aliases: list[str]
+    fingerprint: str
+    backend: str
+
+
+class HeadInfo(_Record):
+    """What an LM-head task measured of its teacher."""
+
+    vocab_size: Count
+    hidden_size: Count
+    dtype: Literal["bfloat16", "float32"]
+    logit_scale: StrictFloat | None = None
+    final_logit_softcap: StrictFloat | None = None
+
+
+class TeacherEntry(TeacherInfo, HeadInfo):
+    """A teacher as the manifest records it, with what its LM-head task measured."""
+
+
+class TokenizerInfo(_Record):
+    name: str
+    vocab_hash: str
+    vocab_size: Count
+
+
+class DatasetInfo(_Record):
+    source: str
+    fingerprint: str
+    num_rows: Count
+    num_tokens: Count
+
+
+class StorageInfo(_Record):
+    OMITTED_AT_DEFAULT = ("encoding",)
+
+    hidden_dtype: Literal["bfloat16", "float32"]
+    codec: Literal["shuffle-zstd1", "none"]
+    chunk_bytes: Annotated[StrictInt, Field(gt=0)]
+    # Per-chunk checksum of every array (version 2); None in version-1 stores.
+    checksum: Literal["crc32c"] | None = "crc32c"
+    # How hidden states are stored: `exact` in `hidden_dtype`, or 8-bit codes (`encoding.py`).
+    encoding: Literal["exact", "int8-rotated"] = "exact"
+
+
+class EncodingInfo(_Record):
+    """What an encoding task fitted and measured (its folder's `calibration.json`): the rotation's seed,
+    the calibration rows, and the KL (nats per token, T = 1) of the distribution rebuilt from the decoded
+    states from the exact one, on the first calibration tokens."""
+
+    seed: Count
+    calibration_rows: Count
+    calibration_tokens: Count
+    measured_tokens: Count
+    kl_mean: StrictFloat
+    kl_p99: StrictFloat
+    kl_max: StrictFloat
+    top1_agreement: StrictFloat
+
+
+class Plan(_Record):
+    format: Literal["mopd-teacher-store"] = "mopd-teacher-store"
+    format_version: Count = FORMAT_VERSION
+    tokenizer: TokenizerInfo
+    dataset: DatasetInfo
+    teachers: list[TeacherInfo]
+    tasks: list[TaskSpec]
+    storage: StorageInfo
+    config: dict[str, Any]
+    # The whole config of the job that created the store, command-line overrides included (its settings
+    # that differ from their defaults): what it ran with. Not part of the identity: jobs may differ here.
+    created_with: dict[str, Any] = {}
+
+    def identity(self) -> str:
+        """Hash of everything that decides the store's bytes."""
+        return sha256_json(self.model_dump(mode="json", exclude={"created_with"}))
+
+
+class PartRecord(_Record):
+    """A finished task: its counts and every file of its folder (relative path → size, sha256)."""
+
+    task_id: str
+    identity: str
+    num_rows: Count
+    num_tokens: Count
+    bytes: Count
+    hash: str
+    files: dict[str, tuple[Count, str]]
+    head: HeadInfo | None = None  # LM-head tasks only
+
+
+class _Published(_Record):
+    """A published task folder as the manifest lists it."""
+
+    task_id: str
+    path: str
+    rows: Count
+    tokens: Count
+    bytes: Count
+    hash: str
+    part_sha256: str
+
+
+class RowsArtifact(_Published):
+    kind: Literal["rows"] = "rows"
+
+
+class HeadArtifact(_Published):
+    kind: Literal["lm_head"] = "lm_head"
+    teacher: Count
+
+
+class ShardArtifact(_Published):
+    kind: Literal["hidden"] = "hidden"
+    teacher: Count
+    shard: Count
+
+
+class EncodingArtifact(_Published):
+    kind: Literal["encoding"] = "encoding"
+    teacher: Count
+
+
+ArtifactRecord = RowsArtifact | HeadArtifact | ShardArtifact | EncodingArtifact
+
+
+class Manifest(_Record):
+    OMITTED_AT_DEFAULT = ("encodings",)
+
+    format: Literal["mopd-teacher-store"]
+    format_version: Count
+    required_features: list[str]
+    created_by: str
+    identity: str
+    tokenizer: TokenizerInfo
+    dataset: DatasetInfo
+    teachers: list[TeacherEntry]
+    storage: StorageInfo
+    rows: RowsArtifact
+    lm_heads: list[HeadArtifact]
+    shards: list[ShardArtifact]
+    encodings: list[EncodingArtifact] = []  # int8-rotated stores: one per teacher with rows
+    config: dict[str, Any]
+    volatile: dict[str, Any] = {}
+
+    def artifacts(self) -> list[ArtifactRecord]:
+        return [self.rows, *self.lm_heads, *self.encodings, *self.shards]
+
+    def stable_dict(self) -> dict[str, Any]:
+        """The manifest without its volatile fields: equal for every run that made the same store."""
+        return self.model_dump(mode="json", exclude={"volatile"})
+
+    def hash(self) -> str:
+        """sha256 of the stable manifest: the store's identity as a training checkpoint records it."""
+        return sha256_json(self.stable_dict())
+
+
+def canonical_json(obj: Any) -> bytes:
+    return (json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=False, allow_nan=False) + "\n").encode()
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def artifact_hash(files: dict[str, tuple[int, str]]) -> str:
+    """The content hash of a folder: sha256 over its sorted (path, size, sha256) list."""
+    return sha256_json(sorted([path, size, digest] for path, (size, digest) in files.items()))
+
+
+def check_format(raw: Any, path: str | Path) -> int:
+    """Checks format name, version and required features, in that order (DESIGN §4); returns the version."""
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        raise ManifestError(f"{path}: format is {found!r}, expected {FORMAT!r}; this is not a mopd store")
+    version = raw.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version not in READABLE_VERSIONS:
+        newer = isinstance(version, int) and version > FORMAT_VERSION
+        fix = "upgrade mopd" if newer else "re-create the store with this mopd"
+        readable = ", ".join(map(str, READABLE_VERSIONS))
+        raise ManifestError(
+            f"{path}: format_version {version} is {'newer than' if newer else 'not read by'} this mopd "
+            f"(reads {readable}); {fix}"
+        )
+    features = raw.get("required_features", [])
+    if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
+        raise ManifestError(f"{path}: required_features must be a list of names")
+    unknown = sorted(set(features) - KNOWN_FEATURES)
+    if unknown:
+        raise ManifestError(
+            f"{path}: requires feature(s) {', '.join(unknown)} that this mopd does not know; upgrade mopd"
+        )
+    return version
+
+
+def _validate(model: type[BaseModel], raw: Any, path: str | Path, what: str) -> Any:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise ManifestError(
+            f"{path}: malformed {what}: {describe_location(first['loc'])}: {first['msg']}"
+        ) from err
+
+
+# A damaged manifest is rebuilt from the part records, which finalize reads again.
+REBUILD_MANIFEST = (
+    "delete it and run `mopd precompute` again with the store's config: every task is done, so it only "
+    "rebuilds the manifest from the tasks' records"
+)
+
+
+def parse_manifest(data: bytes, path: str | Path) -> Manifest:
+    """Validates the bytes of `manifest.json` (a version-1 manifest is upgraded in memory).
+
+    Raises:
+        ManifestError: they do not parse, have an unsupported format or version, or miss fields.
+    """
+    try:
+        raw = parse_json(data, what=f"manifest {path}", error=ManifestError)
+    except ManifestError as err:
+        raise ManifestError(f"{err}; {REBUILD_MANIFEST}") from err
+    if check_format(raw, path) == 1:
+        raw = upgrade_v1_manifest(raw)
+    try:
+        manifest: Manifest = _validate(Manifest, raw, path, "manifest")
+    except ManifestError as err:
+        raise ManifestError(f"{err}; {REBUILD_MANIFEST}") from err
+    return manifest
+
+
+def parse_calibration(data: bytes, path: str | Path) -> EncodingInfo:
+    """An encoding task's `calibration.json`."""
+    raw = parse_json(data, what=f"calibration record {path}", error=ManifestError)
+    info: EncodingInfo = _validate(EncodingInfo, raw, path, "calibration record")
+    return info
+
+
+def read_calibration(location: Location, folder: str, part: PartRecord) -> EncodingInfo:
+    """An encoding task's calibration record, proved to be the one its part record lists.
+
+    Raises:
+        StoreIntegrityError: it is not.
+    """
+    key = f"{folder}/{CALIBRATION_FILE}"
+    data = read_record(location, key, "calibration record")
+    Recorded(part.files, bound=True).check(CALIBRATION_FILE, data, location.describe(key))
+    return parse_calibration(data, location.describe(key))
+
+
+def parse_plan(data: bytes, path: str | Path) -> Plan:
+    raw = parse_json(data, what=f"plan {path}", error=ManifestError)
+    if check_format(raw, path) == 1:
+        raw = upgrade_v1_plan(raw)
+    plan: Plan = _validate(Plan, raw, path, "plan")
+    return plan
+
+
+def parse_part(data: bytes, path: str | Path, *, format_version: int = FORMAT_VERSION) -> PartRecord:
+    raw = parse_json(data, what=f"part record {path}", error=ManifestError)
+    if format_version == 1:
+        raw = upgrade_v1_part(raw)
+    part: PartRecord = _validate(PartRecord, raw, path, "part record")
+    return part
+
+
+def read_record(location: Location, key: str, what: str) -> bytes:
+    """A record's bytes, refusing a missing, oversized or linked file with a `ManifestError` naming it
+    (a part record's folder too: records are the store's own files, never links to others).
+
+    Raises:
+        FileNotFoundError: there is no such record.
+    """
+    return location.read_record(key, what, limit=MAX_RECORD_BYTES)
+
+
+def part_key(task_id: str) -> str:
+    """The key of a task's part record."""
+    return f"{PARTS_DIR}/{task_id}.json"
+
+
+def load_manifest(store: Location | str | Path) -> Manifest:
+    """Reads and validates the store's `manifest.json`.
+
+    Raises:
+        FileNotFoundError: there is no manifest (the store is not finalized).
+        ManifestError: see `parse_manifest`.
+    """
+    location = open_location(store)
+    return parse_manifest(read_record(location, MANIFEST_FILE, "manifest"), location.describe(MANIFEST_FILE))
+
+
+def load_plan(store: Location | str | Path) -> Plan:
+    location = open_location(store)
+    return parse_plan(read_record(location, PLAN_FILE, "plan"), location.describe(PLAN_FILE))
+
+
+def load_part(
+    store: Location | str | Path, task_id: str, *, format_version: int = FORMAT_VERSION
+) -> PartRecord:
+    location = open_location(store)
+    key = part_key(task_id)
+    data = read_record(location, key, "part record")
+    return parse_part(data, location.describe(key), format_version=format_version)
+
+
+def task_progress(location: Location) -> tuple[int, int]:
+    """(done, total) tasks of an unfinalized store, from its plan and part records."""
+    plan = load_plan(location)
+    done = {name.removesuffix(".json") for name in location.names(PARTS_DIR)}
+    return sum(task.task_id in done for task in plan.tasks), len(plan.tasks)
+
+
+def read_manifest(store: Location | str | Path) -> Manifest:
+    """The store's manifest; a missing one is reported with how many tasks are done.
+
+    Raises:
+        StoreIncompleteError: no manifest yet (message says done/total tasks and what to run).
+        ManifestError: not a store, or an unsupported format.
+    """
+    location = open_location(store)
+    try:
+        return load_manifest(location)
+    except FileNotFoundError:
+        pass
+    if not location.is_folder(""):
+        raise ManifestError(f"store {location.url} does not exist")
+    if not location.exists(PLAN_FILE):
+        raise ManifestError(
+            f"{location.url} is not a mopd store: it has no {MANIFEST_FILE} and no {PLAN_FILE}"
+        )
+    done, total = task_progress(location)
+    raise StoreIncompleteError(
+        f"{location.url} has no {MANIFEST_FILE}: {done} of {total} tasks are done; run `mopd precompute` "
+        "again with the same config to finish it (finished tasks are skipped)"
+    )

@@ -1,0 +1,201 @@
+"""The `fsdp` student: the transformers student of the `hf` backend, sharded over the data-parallel ranks
+with FSDP2 (`torch.distributed.fsdp.fully_shard`), so that each rank holds 1/W of its parameters,
+gradients and AdamW state (W: the ranks it shards over).
+
+Units, each gathered whole only while it computes: every decoder block; the input embeddings; the output
+layer, kept whole from the backbone's forward to the end of the loss's backward (the fused divergence
+kernel takes the whole head, and its gradient is reduce-scattered once that backward ends); tied
+embeddings are one unit of both. The root unit (the whole model) holds the rest: the final norm, which
+the root never reshards during a step. With `dp_replicate` R > 1 the ranks form an R × (W / R) mesh:
+sharded within a group of W / R ranks, replicated across the R groups (HSDP).
+
+Gradients: the trainer normalises the loss by the global batch (`trainer.py`), so the reduction sums
+(never averages) them: after every microbatch's backward, each rank then keeping only its shard of them
+(`gradient_sync: microbatch`), or after a step's last microbatch only (`step`: one reduction a step,
+but each rank holds the whole fp32 gradient until then; `set_requires_gradient_sync`). FSDP's
+collectives run in every forward, so every rank runs as many microbatches as the rank with the most:
+the others run a one-token filler whose loss is 0 × (its outputs), which adds exact zeros to every
+gradient.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from mopd.base.errors import ConfigError
+from mopd.train.backends.groups import RankGroup
+from mopd.train.backends.hf import FinalStates, HFStudent, final_states, save_tokenizer
+
+
+def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's decoder blocks (the backbone's `layers`, as every Llama-style transformers model
+    names them)."""
+    blocks = getattr(model.base_model, "layers", None)
+    if not isinstance(blocks, torch.nn.ModuleList):
+        raise ConfigError(
+            f"train.backend fsdp: {type(model).__name__} keeps no decoder blocks in `layers`; the fsdp "
+            "backend shards Llama-style transformers models (Llama, Qwen2/3, Mistral, SmolLM)"
+        )
+    return blocks
+
+
+def shard_mesh(world: RankGroup, replicate: int, device: torch.device) -> Any:
+    """The device mesh: 1-D over the world, or (replicate, shard) for HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world.size % replicate:
+        raise ConfigError(
+            f"train.parallel.dp_replicate {replicate} does not divide the world size {world.size}: each "
+            "replica shards the student over world / dp_replicate ranks"
+        )
+    if replicate == 1:
+        return init_device_mesh(device.type, (world.size,))
+    return init_device_mesh(
+        device.type, (replicate, world.size // replicate), mesh_dim_names=("replicate", "shard")
+    )
+
+
+class FSDPStudent(HFStudent):
+    """This rank's shards of a transformers student (see the module docstring)."""
+
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        dp: RankGroup,
+        replicate: int = 1,
+        sync_every_microbatch: bool = True,
+        mixed_precision: bool = False,
+        activation_checkpointing: bool = False,
+    ) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+        # Loaded whole on the host, then each unit moves only its own shard to the device.
+        super().__init__(
+            checkpoint,
+            device=torch.device("cpu"),
+            dtype=dtype,
+            dp=dp,
+            activation_checkpointing=activation_checkpointing,
+        )
+        self.device = device
+        self.writes_checkpoint_shard = True  # every rank writes its own shard
+        self.sharded_checkpoint = True
+        self.sync_every_microbatch = sync_every_microbatch
+        mesh = shard_mesh(dp, replicate, device)
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if mixed_precision
+            else MixedPrecisionPolicy()
+        )
+        model = self.model
+        # The backbone's output as a forward method of the model, so that FSDP gathers the root unit
+        # around it.
+        model.final_states = types.MethodType(final_states, model)
+        units = [fully_shard(block, mesh=mesh, mp_policy=policy) for block in decoder_blocks(model)]
+        embed, output = model.get_input_embeddings(), model.get_output_embeddings()
+        tied = output.weight is embed.weight
+        head_modules = [embed, output] if tied else [output]
+        fully_shard(head_modules, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        self.head_unit = output  # the unit's handle (every module of a unit is one)
+        units.append(output)
+        if not tied:
+            units.append(fully_shard(embed, mesh=mesh, mp_policy=policy))
+        units.append(fully_shard(model, mesh=mesh, mp_policy=policy))
+        register_fsdp_forward_method(model, "final_states")
+        self.trunk = model.final_states
+        for unit in units:
+            unit.set_gradient_divide_factor(1.0)  # the loss is normalised already: sum, never average
+            unit.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+
+    def replicate(self, trunk: FinalStates) -> FinalStates:
+        """Nothing yet: the constructor shards the model once it is loaded."""
+        return trunk
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        """What a checkpoint of this student must match to be resumed by it: not the rank count (the
+        shards are re-cut on load)."""
+        return {"backend": "fsdp"}
+
+    def whole_head(self) -> torch.Tensor:
+        """The output layer's whole weight, gathered (a no-op while it already is)."""
+        self.head_unit.unshard()
+        return self.head
+
+    def microbatch_count(self, held: int, *, forward_only: bool) -> int:
+        """The most microbatches any rank holds: every forward gathers weights from every rank."""
+        return int(self.dp.all_reduce(torch.tensor([held]), op=dist.ReduceOp.MAX)[0])
+
+    @contextmanager
+    def gradient_sync(self, sync: bool) -> Iterator[None]:
+        """Gradients reduce-scattered in this microbatch's backward if `sync` (the step's last one) or
+        after every microbatch (`gradient_sync: microbatch`)."""
+        self.model.set_requires_gradient_sync(sync or self.sync_every_microbatch)
+        yield
+
+    def loss_head(self) -> torch.Tensor:
+        return self.whole_head()
+
+    def after_microbatches(self) -> None:
+        """Every unit back to its shard: a backward reshards them itself, a forward alone leaves the
+        head and the root unit gathered."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def finish_gradients(self) -> None:
+        """Nothing: the backward of the step's last microbatch reduce-scattered every gradient."""
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Clips the global gradient norm (over every rank's shards) to `max_norm`; returns it before."""
+        from torch.distributed.tensor import DTensor
+
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+    def save(self, folder: Path) -> None:
+        """The student's config and tokenizer (rank 0): what `mopd export-hf` builds the model from; the
+        weights are in the checkpoint's sharded state (`save_sharded`)."""
+        if self.dp.rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.model.config.save_pretrained(folder)
+            save_tokenizer(self.tokenizer, folder)
+
+    def state(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        """The model's (and `optimizer`'s) state as this rank's shards, keyed by transformers names."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        if optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(self.model, optimizer)
+        return state
+
+    def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
+        """Every rank writes its shards of the weights and AdamW state into `folder` (torch's
+        distributed checkpoint: one file per rank and a `.metadata` index)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.state(optimizer), checkpoint_id=folder)
+
+    def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer | None) -> None:
+        """Loads `save_sharded`'s state into this layout's shards (any rank count: the shards are re-cut),
+        bit-exact; the optimizer's learning rate and other hyper-parameters come back too."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        state = self.state(optimizer)
+        dcp.load(state, checkpoint_id=folder)
+        set_model_state_dict(self.model, state["model"])
+        if optimizer is not None:
+            set_optimizer_state_dict(self.model, optimizer, state["optimizer"])

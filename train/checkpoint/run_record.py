@@ -1,0 +1,97 @@
+"""What a training run was trained on: the store's identity and every setting that fixes the data order
+or the objective (DESIGN §7). A checkpoint records it; a resume with any of it changed is refused,
+naming the field with its old and new value.
+
+Settings that may change on resume (they touch neither the data order nor the objective):
+
+- `train.steps` (the learning-rate schedule is recomputed for the new total),
+- `train.checkpoint.every`, `train.checkpoint.keep`, `train.output_dir`,
+- `train.eval.every`, `train.device`, `train.lm_head_lifecycle`,
+- `train.divergence.chunk_size`, `train.divergence.compile`, `train.parallel.tp`, `train.parallel.pp`,
+  `train.parallel.sequence_parallel`, `train.parallel.dp_replicate`, `train.parallel.gradient_sync` and
+  `train.activation_checkpointing` (memory and speed: they change only the order in which the same sums
+  are taken, or recompute the same values),
+- `train.student` and `train.init_from` (a resumed run's weights come from its checkpoint),
+- `train.prefetch` and `train.report_to` (how the data is read, where the records also go),
+- the number of ranks (the data order and the loss do not depend on it; an fsdp or hf checkpoint loads
+  on any rank count, a megatron one at any tp × pp and data-parallel size).
+
+Continuing on other data or with another objective is a new run started from the checkpoint with
+`train.init_from`, never a resume.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, TypeAdapter
+
+from mopd.config.train import TrainConfig
+from mopd.store.format.manifest import Manifest
+
+RESUMABLE = frozenset(
+    {
+        "train.steps",
+        "train.checkpoint.every",
+        "train.checkpoint.keep",
+        "train.output_dir",
+        "train.eval.every",
+        "train.device",
+        "train.lm_head_lifecycle",
+        "train.divergence.chunk_size",
+        "train.divergence.compile",
+        "train.parallel.tp",
+        "train.parallel.pp",
+        "train.parallel.sequence_parallel",
+        "train.parallel.dp_replicate",
+        "train.parallel.gradient_sync",
+        "train.activation_checkpointing",
+        "train.student",
+        "train.init_from",
+        "train.prefetch",
+        "train.report_to",
+    }
+)
+
+
+def _flatten(prefix: str, section: BaseModel, out: dict[str, Any]) -> None:
+    """Config sections become dotted names; every other value (a mapping too) is one field."""
+    for name in type(section).model_fields:
+        value = getattr(section, name)
+        if isinstance(value, BaseModel):
+            _flatten(f"{prefix}.{name}", value, out)
+        else:
+            out[f"{prefix}.{name}"] = TypeAdapter(Any).dump_python(value, mode="json")
+
+
+# Recorded by earlier versions, no longer compared: the data order and the loss do not depend on the
+# number of data-parallel ranks (`data/order.py`), so a run resumes on another rank count.
+NO_LONGER_COMPARED = frozenset({"data_parallel_size"})
+# Recorded from a later version on: what a checkpoint that lacks them was trained with.
+RECORDED_LATER = {"store.encoding": "exact"}
+
+
+def run_record(tc: TrainConfig, manifest: Manifest) -> dict[str, Any]:
+    """The fields a resume must find unchanged, as dotted names → JSON values."""
+    fields: dict[str, Any] = {}
+    _flatten("train", tc, fields)
+    fields = {k: v for k, v in fields.items() if not any(k == r or k.startswith(r + ".") for r in RESUMABLE)}
+    fields["store.manifest_hash"] = manifest.hash()
+    fields["store.dataset_fingerprint"] = manifest.dataset.fingerprint
+    fields["store.encoding"] = manifest.storage.encoding
+    return dict(sorted(fields.items()))
+
+
+def diff_run_records(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """One line per field whose value differs: `name: A in the checkpoint, B now`."""
+    lines = []
+    for name in sorted((set(recorded) | set(current)) - NO_LONGER_COMPARED):
+        old = recorded.get(name, RECORDED_LATER.get(name, "(not recorded)"))
+        new = current.get(name, "(not set)")
+        if old != new:
+            lines.append(f"{name}: {_show(old)} in the checkpoint, {_show(new)} now")
+    return lines
+
+
+def _show(value: Any) -> str:
+    return repr(value) if isinstance(value, str) and len(value) < 80 else str(value)

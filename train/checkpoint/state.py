@@ -1,0 +1,345 @@
+"""Training checkpoints: everything `--resume` needs to continue exactly, with no pickle (DESIGN §7).
+
+    OUTPUT/checkpoints/step_00000100/
+        model/                  the student as a transformers checkpoint (config + safetensors)
+        optimizer.safetensors   AdamW moments and step counts, keyed "<param position>.<name>"
+        rng.safetensors         torch RNG states
+        state.json              step, loader state, optimizer hyper-parameters, scheduler state, layout,
+                                the run record (the store and every setting the run was trained with)
+                                and the tracker runs it reported to
+        teachers.json           the store's teacher list: index, checkpoint, fingerprint
+        COMPLETE                written last: lists every other file with its size and sha256; a folder
+                                without it is not a checkpoint, a file that differs from it is named
+
+Sharded students write their shards instead, into `state/`, and only the student's config and
+tokenizer files into `model/`. fsdp: torch's distributed checkpoint of the weights and AdamW state (one
+`__<rank>_0.distcp` file per rank, written by that rank, and a `.metadata` index); it loads on any rank
+count (the shards are re-cut). megatron: megatron-core's `dist_checkpointing` of the same (each tensor
+a slice of the whole one, written by the first data-parallel replica holding it); it loads at any
+tp × pp and data-parallel size. `mopd export-hf` reads either whole into a transformers checkpoint. The
+layout (backend, and for megatron the checkpoint format) is in state.json; a run resumes only a
+checkpoint of its own backend.
+
+A checkpoint is written under a temporary name, fsynced, and published by a rename, so a crash leaves
+either nothing or a complete checkpoint; the temporaries of killed saves are removed when the run
+resumes. Retention deletes only older complete checkpoints, never the newest one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from safetensors.torch import load_file, save_file
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from mopd.base import faults
+from mopd.base.completion import COMPLETE, write_complete
+from mopd.base.errors import CheckpointError, MopdError
+from mopd.base.fsio import is_temporary, publish_dir, unique_temp_name, write_replace
+from mopd.base.jsonio import describe_location, read_json
+from mopd.store.format.teachers import TeacherIdentity, write_teacher_list
+from mopd.train.backends.groups import RankGroup
+from mopd.train.backends.hf import TrainStudent
+from mopd.train.data.order import LoaderState
+
+_NAME = re.compile(r"^step_(\d{8})$")
+SHARDED_STATE = "state"  # a sharded student's weights and AdamW state (torch.distributed.checkpoint)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    step: int
+    loader: LoaderState
+    tracking: dict[str, str]  # the tracker runs the run appended to (`tracking.Trackers.identities`)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / COMPLETE).exists()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def _optimizer_tensors(whole: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {
+        f"{position}.{name}": value.detach().contiguous().cpu()
+        for position, slots in whole["state"].items()
+        for name, value in slots.items()
+    }
+
+
+def whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """The optimizer's whole state dict. A ZeRO optimizer (state sharded over the data-parallel
+    replicas) gathers it on the group's first rank, the one that writes, and returns None elsewhere:
+    every rank of the group calls this."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if optimizer.rank == 0 else None
+    return optimizer.state_dict()
+
+
+def parameter_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's groups as its state dict numbers them: hyper-parameters, and the positions of
+    the group's parameters in the optimizer's order (read without gathering a sharded state)."""
+    groups, start = [], 0
+    for group in optimizer.param_groups:
+        count = len(group["params"])
+        groups.append(
+            {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + count))}
+        )
+        start += count
+    return groups
+
+
+OPTIMIZER_FILE = "optimizer.safetensors"  # a whole student's AdamW state
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    *,
+    student: TrainStudent,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    loader: LoaderState,
+    teachers: Sequence[TeacherIdentity],
+    run: dict[str, Any],
+    keep: int,
+    world: RankGroup | None = None,
+    tracking: dict[str, str] | None = None,
+) -> Path:
+    """Writes and publishes the checkpoint of `step`, then drops complete ones older than the last `keep`.
+
+    Every rank of `world` calls it: the ranks that write a shard (`student.writes_checkpoint_shard`)
+    write it into the temporary folder rank 0 made, and rank 0 publishes once they all have. `run` is
+    the run record (`run_record.run_record`) a resume must match; `tracking` the tracker runs a resume
+    appends to.
+    """
+    world = world or RankGroup()
+    final = root / checkpoint_name(step)
+    made = None
+    if world.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        made = unique_temp_name(final)
+        (made / "model").mkdir(parents=True)
+    temp = Path(world.broadcast_object(str(made)))
+    try:
+        if student.sharded_checkpoint:
+            with faults.io("write", temp / "model"):
+                student.save(temp / "model")
+            with faults.io("write", temp / SHARDED_STATE):
+                student.save_sharded(temp / SHARDED_STATE, optimizer)
+            faults.point("checkpoint-shards-written")
+        else:
+            whole = whole_optimizer_state(optimizer)
+            if student.writes_checkpoint_shard:
+                assert whole is not None  # the writer is its replicas' first rank
+                with faults.io("write", temp / "model"):
+                    student.save(temp / "model")
+                optimizer_path = temp / OPTIMIZER_FILE
+                with faults.io("write", optimizer_path):
+                    save_file(_optimizer_tensors(whole), str(optimizer_path))
+        world.barrier()
+        if world.rank == 0:
+            _write_run_state(
+                temp, step, student.layout, optimizer, scheduler, loader, teachers, run, tracking or {}
+            )
+            faults.point("checkpoint-written")
+            if final.exists() and not (final / COMPLETE).exists():
+                # A folder without its marker is not a checkpoint; move it aside (a temporary: garbage).
+                final.rename(unique_temp_name(final))
+            if not publish_dir(temp, final, what="checkpoint"):
+                raise MopdError(
+                    f"checkpoint {final} already exists; another run writes into this output folder"
+                )
+    except BaseException:
+        if world.rank == 0:
+            shutil.rmtree(temp, ignore_errors=True)
+        raise
+    if world.rank == 0:
+        _retain(root, step, keep)
+        faults.point("checkpoint-retained")
+    world.barrier()
+    return final
+
+
+def _write_run_state(
+    folder: Path,
+    step: int,
+    layout: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    loader: LoaderState,
+    teachers: Sequence[TeacherIdentity],
+    run: dict[str, Any],
+    tracking: dict[str, str],
+) -> None:
+    """The files every rank shares: RNG, state.json, the teacher list, then the COMPLETE marker."""
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng |= {f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+    with faults.io("write", folder / "rng.safetensors"):
+        save_file(rng, str(folder / "rng.safetensors"))
+    state = {
+        "step": step,
+        "loader": loader.to_dict(),
+        "param_groups": parameter_groups(optimizer),
+        "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
+        "layout": layout,
+        "run": run,
+        "tracking": tracking,
+    }
+    write_replace(folder / "state.json", json.dumps(state, indent=2, sort_keys=True).encode())
+    write_teacher_list(folder, teachers)
+    write_complete(folder, {"step": step, "time": time.time()})
+
+
+def _retain(root: Path, step: int, keep: int) -> None:
+    """Drops complete checkpoints older than the last `keep`, and this step's leftover temporaries."""
+    for old in complete_checkpoints(root)[:-keep]:
+        shutil.rmtree(old)
+    for stale in root.iterdir():
+        if is_temporary(stale.name) and stale.name.startswith(checkpoint_name(step)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def remove_temporaries(root: Path) -> list[str]:
+    """Removes what killed saves left under `root` (folders never published); returns their names.
+
+    Only the run that owns the output folder calls it, before it writes anything.
+    """
+    if not root.is_dir():
+        return []
+    stale = sorted(p.name for p in root.iterdir() if is_temporary(p.name))
+    for name in stale:
+        shutil.rmtree(root / name, ignore_errors=True)
+    return stale
+
+
+Count = Annotated[StrictInt, Field(ge=0)]
+
+
+class LoaderRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seed: StrictInt
+    epoch: Count
+    step_in_epoch: Count
+
+
+class CheckpointState(BaseModel):
+    """A checkpoint's state.json, read once (`read_state`): where the run stands, what it was trained on
+    and by which layout (the optimizer's own fields are torch's to check)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    step: Count
+    loader: LoaderRecord
+    param_groups: list[dict[str, Any]]
+    scheduler: dict[str, Any]
+    layout: dict[str, Any] = {"backend": "hf"}  # the student's: backend, and tp and pp for megatron
+    run: dict[str, Any] = {}  # the run record (`run_record.run_record`)
+    tracking: dict[str, str] = {}  # tracker → the identity of its run (`tracking.Trackers`)
+
+    @property
+    def loader_state(self) -> LoaderState:
+        return LoaderState.from_dict(self.loader.model_dump())
+
+
+def read_state(folder: Path) -> CheckpointState:
+    """A complete checkpoint's state.json.
+
+    Raises:
+        CheckpointError: no COMPLETE marker, or state.json unreadable or malformed.
+    """
+    if not (folder / COMPLETE).exists():
+        raise CheckpointError(f"{folder} is not a complete checkpoint (no {COMPLETE} marker)")
+    path = folder / "state.json"
+    try:
+        raw = read_json(path, what="checkpoint state", error=CheckpointError)
+    except FileNotFoundError as err:
+        raise CheckpointError(f"{path} is missing") from err
+    try:
+        return CheckpointState.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = describe_location(first["loc"])
+        raise CheckpointError(f"{path}: malformed checkpoint state: {where}: {first['msg']}") from err
+
+
+def load_checkpoint(
+    folder: Path,
+    state: CheckpointState,
+    *,
+    student: TrainStudent,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> ResumePoint:
+    """Restores model, optimizer, scheduler and RNG from `folder`, whose `state` the caller read and
+    checked (`resume.resume_checkpoint`); returns the step and loader state."""
+    load_weights(folder, state, student, optimizer, hyper_parameters=True)
+    scheduler.load_state_dict({**state.scheduler, "lr_lambdas": [None] * len(optimizer.param_groups)})
+    follow_schedule(scheduler, state.step)
+    rng = load_file(str(folder / "rng.safetensors"))
+    torch.set_rng_state(rng["cpu"])
+    if torch.cuda.is_available():
+        cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda"))]
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)
+    return ResumePoint(step=state.step, loader=state.loader_state, tracking=dict(state.tracking))
+
+
+def follow_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:
+    """Sets the learning rate of the step after `step` from the run's own schedule: a resume may have
+    changed `train.steps`, and the rate the checkpoint's schedule left in the optimizer (its end, 0,
+    when the checkpoint was that schedule's last step) is not the new schedule's."""
+    scheduler.last_epoch = step - 1
+    scheduler.step()  # recomputes every group's rate at `step` (counted from 0, as the trainer steps it)
+
+
+def load_weights(
+    folder: Path,
+    state: CheckpointState,
+    student: TrainStudent,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    hyper_parameters: bool,
+) -> None:
+    """The student's weights and, given an optimizer, its AdamW moments and step counts; with
+    `hyper_parameters` also the checkpoint's learning rate and the rest (a resume), else the optimizer
+    keeps its own (a new run started from the checkpoint)."""
+    own = parameter_groups(optimizer) if optimizer is not None else []
+    if student.sharded_checkpoint:
+        student.load_sharded(folder / SHARDED_STATE, optimizer)
+    else:
+        student.load_weights(folder / "model")
+        if optimizer is not None:
+            tensors = load_file(str(folder / OPTIMIZER_FILE))
+            slots: dict[int, dict[str, torch.Tensor]] = {}
+            for key, value in tensors.items():
+                position, name = key.split(".", 1)
+                slots.setdefault(int(position), {})[name] = value
+            optimizer.load_state_dict(
+                {"state": slots, "param_groups": optimizer.state_dict()["param_groups"]}
+            )
+    if optimizer is None:
+        return
+    # Hyper-parameters from the run (a resume) or this run's own (a new run from the checkpoint).
+    for group, saved in zip(
+        optimizer.param_groups, state.param_groups if hyper_parameters else own, strict=True
+    ):
+        group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items() if k != "params"})

@@ -1,0 +1,209 @@
+"""Streams a teacher store to one data-parallel rank: steps of microbatches, read ahead in a thread.
+
+The order comes from `data_order` (pure functions of lengths, seed, epoch and rank), so the loader's
+whole state is a `LoaderState`. A microbatch holds its rows padded only to its own longest row, and each
+teacher's hidden states at the trained positions only (the kernel never needs the others).
+
+Token order: the trained tokens of a microbatch are its loss-masked positions in row-major order
+(`loss_mask[b, t]` trains the prediction made at position t, of token t + 1). `teacher_hidden[t]` holds
+teacher t's trained tokens in that same order, which is what `linear_divergence` expects.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mopd.store.reader import Row, TeacherStore
+from mopd.train.data.order import LoaderState, epoch_steps, rank_microbatches
+
+IGNORE = -100  # label of a trained position with no next token
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    rows: np.ndarray  # [B] store row ids
+    input_ids: torch.Tensor  # [B, L] int64, right-padded with 0
+    attention_mask: torch.Tensor  # [B, L] int64
+    loss_mask: torch.Tensor  # [B, L] bool, False on padding
+    teacher_index: torch.Tensor  # [N] teacher index of each trained token
+    token_row: torch.Tensor  # [N] batch position of each trained token's row
+    labels: torch.Tensor  # [N] the token each trained position predicts (IGNORE where none)
+    teacher_hidden: dict[int, torch.Tensor]  # teacher -> [N_t, H_t], its trained tokens in order
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    @property
+    def num_trained(self) -> int:
+        return int(self.teacher_index.shape[0])
+
+    def to(self, device: torch.device) -> MicroBatch:
+        move = lambda x: x.to(device, non_blocking=True)  # noqa: E731
+        return MicroBatch(
+            rows=self.rows,
+            input_ids=move(self.input_ids),
+            attention_mask=move(self.attention_mask),
+            loss_mask=move(self.loss_mask),
+            teacher_index=self.teacher_index,
+            token_row=move(self.token_row),
+            labels=move(self.labels),
+            teacher_hidden={t: move(h) for t, h in self.teacher_hidden.items()},
+        )
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimiser step's share for this rank, and the loader state once it is trained."""
+
+    microbatches: list[MicroBatch]
+    state_after: LoaderState
+
+
+def read_microbatches(
+    store: TeacherStore, microbatch_rows: list[np.ndarray], *, with_teacher_states: bool = True
+) -> list[MicroBatch]:
+    """Reads a step's microbatches (tokens, masks, teacher index, hidden states at trained positions).
+
+    The step's rows are read in one batched call per array, so every stored chunk they touch is
+    decoded once however the rows fall into microbatches. Without `with_teacher_states` (a pipeline stage
+    that computes no loss) the teacher states are not read.
+    """
+    if not microbatch_rows:  # a step with fewer rows than data-parallel ranks leaves some with none
+        return []
+    every = np.concatenate(microbatch_rows).astype(np.int64)
+    stored = store.rows(every)
+    trained = np.array([with_teacher_states and bool(row.loss_mask.any()) for row in stored], dtype=bool)
+    states = store.hiddens(every[trained]) if trained.any() else []
+    hidden_of = dict(zip(np.flatnonzero(trained).tolist(), states, strict=True))
+    out, at = [], 0
+    for rows in microbatch_rows:
+        positions = range(at, at + len(rows))
+        out.append(_collate(rows, [stored[k] for k in positions], [hidden_of.get(k) for k in positions]))
+        at += len(rows)
+    return out
+
+
+def _collate(rows: np.ndarray, stored: list[Row], states: list[torch.Tensor | None]) -> MicroBatch:
+    """Pads the rows to the longest and keeps each row's teacher states at its trained positions."""
+    longest = max(row.input_ids.shape[0] for row in stored)
+    input_ids = torch.zeros(len(stored), longest, dtype=torch.long)
+    attention = torch.zeros(len(stored), longest, dtype=torch.long)
+    loss_mask = torch.zeros(len(stored), longest, dtype=torch.bool)
+    labels = torch.full((len(stored), longest), IGNORE, dtype=torch.long)
+    hidden: dict[int, list[torch.Tensor]] = {}
+    for b, (row, state) in enumerate(zip(stored, states, strict=True)):
+        length = row.input_ids.shape[0]
+        input_ids[b, :length] = row.input_ids
+        attention[b, :length] = 1
+        loss_mask[b, :length] = row.loss_mask
+        labels[b, : length - 1] = row.input_ids[1:]
+        if state is not None:
+            hidden.setdefault(row.teacher_index, []).append(state[row.loss_mask])
+    row_teacher_index = torch.tensor([row.teacher_index for row in stored], dtype=torch.long)
+    token_row = loss_mask.nonzero()[:, 0]
+    return MicroBatch(
+        rows=np.asarray(rows, dtype=np.int64),
+        input_ids=input_ids,
+        attention_mask=attention,
+        loss_mask=loss_mask,
+        teacher_index=row_teacher_index[token_row],
+        token_row=token_row,
+        labels=labels[loss_mask],
+        teacher_hidden={t: torch.cat(parts) for t, parts in hidden.items()},
+    )
+
+
+class StoreLoader:
+    """Yields this rank's steps from `state` on, reading `prefetch` steps ahead in a background thread.
+
+    Args:
+        store: the opened teacher store.
+        rows: the store rows to train on (the rest, e.g. held-out rows, are never read).
+        seed, micro_batch_tokens, global_batch_tokens: the data order (see `data_order`).
+        dp_rank, dp_size: this rank's place in the data-parallel group.
+        prefetch: steps read ahead.
+        with_teacher_states: read the teacher hidden states (only ranks that compute the loss need them).
+    """
+
+    def __init__(
+        self,
+        store: TeacherStore,
+        rows: np.ndarray,
+        *,
+        micro_batch_tokens: int,
+        global_batch_tokens: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        prefetch: int = 2,
+        with_teacher_states: bool = True,
+    ) -> None:
+        if rows.shape[0] == 0:
+            raise ValueError("no rows to train on")
+        self.store = store
+        self.rows = np.asarray(rows, dtype=np.int64)
+        self.lengths = store.lengths[self.rows]
+        self.micro_batch_tokens = micro_batch_tokens
+        self.global_batch_tokens = global_batch_tokens
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.prefetch = prefetch
+        self.with_teacher_states = with_teacher_states
+
+    def _plan(self, state: LoaderState) -> Iterator[tuple[list[np.ndarray], LoaderState]]:
+        epoch, position = state.epoch, state.step_in_epoch
+        while True:
+            steps = epoch_steps(
+                self.lengths, seed=state.seed, epoch=epoch, global_batch_tokens=self.global_batch_tokens
+            )
+            for k in range(position, len(steps)):
+                after = LoaderState(state.seed, epoch, k + 1) if k + 1 < len(steps) else None
+                micro = rank_microbatches(
+                    steps[k],
+                    self.lengths,
+                    dp_rank=self.dp_rank,
+                    dp_size=self.dp_size,
+                    micro_batch_tokens=self.micro_batch_tokens,
+                )
+                yield [self.rows[m] for m in micro], after or LoaderState(state.seed, epoch + 1, 0)
+            epoch, position = epoch + 1, 0
+
+    def steps(self, state: LoaderState) -> Generator[Step, None, None]:
+        """This rank's steps from `state` on, forever (epochs follow one another)."""
+        out: queue.Queue[Step | BaseException] = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+
+        def produce() -> None:
+            try:
+                for micro_rows, after in self._plan(state):
+                    read = read_microbatches(
+                        self.store, micro_rows, with_teacher_states=self.with_teacher_states
+                    )
+                    step = Step(read, after)
+                    while not stop.is_set():
+                        try:
+                            out.put(step, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+            except BaseException as err:  # handed to the consumer, which re-raises it
+                out.put(err)
+
+        thread = threading.Thread(target=produce, name="mopd-loader", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            thread.join(timeout=10)
