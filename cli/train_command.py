@@ -49,7 +49,7 @@ def train_command(
     from mopd.train.checkpoint.export import (
         export_hf,  # torch and transformers: imported for this command only
     )
-    from mopd.train.checkpoint.state import complete_checkpoints
+    from mopd.train.checkpoint.state import latest_checkpoint
     from mopd.train.trainer import run_training
 
     config = load_config(config_path, overrides)
@@ -62,8 +62,8 @@ def train_command(
     except KeyboardInterrupt:
         assert config.train is not None  # run_training refuses a config without it
         folder = Path(output or config.train.output_dir)
-        latest = complete_checkpoints(folder / "checkpoints")
-        kept = f"its last complete checkpoint is {latest[-1]}" if latest else "no checkpoint was written yet"
+        latest = latest_checkpoint(folder)
+        kept = f"its last complete checkpoint is {latest}" if latest else "no checkpoint was written yet"
         console.print(
             f"\ninterrupted: {kept}; the same command resumes from it (--no-resume refuses to)"
             if latest

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,9 +70,7 @@ class ModelParallelGroup:
                 f"already initialised in this process (tp={live_tp} × pp={live_pp}) by a stage that did "
                 "not close its ModelParallelGroup"
             )
-        owns = not dist.is_initialized()
-        if owns:
-            _init_process_group(device)
+        owns = start_process_group(device)
         try:
             return cls._join(parallel, device, what=what, owns=owns)
         except BaseException:
@@ -150,10 +146,18 @@ class ModelParallelGroup:
         return list(box[0] or [])
 
 
-def _init_process_group(device: torch.device) -> None:
+def start_process_group(device: torch.device, *, alone: bool = False) -> bool:
+    """Starts the default process group unless one is up: from torchrun's variables when a launcher set a
+    world of several ranks, else (or with `alone`) a world of this process only. Returns whether it
+    started one: its starter destroys it.
+
+    The one place mopd starts a process group (the trainer's ranks, megatron-core's layout, the export).
+    """
+    if dist.is_initialized():
+        return False
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if not alone and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group(backend)
-    else:  # launched without torchrun: a world of one
-        rendezvous = Path(tempfile.mkdtemp(prefix="mopd-rendezvous-")) / "store"
-        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True

@@ -7,9 +7,7 @@ completes the last task writes the manifest. Jobs share nothing but the store, s
 
 from __future__ import annotations
 
-import hashlib
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -146,11 +144,7 @@ def ingest_cache(location: Location) -> Path:
     """Where the tokenised rows are kept: inside a store on a filesystem, so that every job of the store
     reads what the first one made; on this machine for a store in a bucket (each machine tokenises once),
     whose ingest records are copied into the store (`publish_ingest_records`)."""
-    folder = location.local_folder()
-    if folder is not None:
-        return folder / INGEST_DIR
-    spool = Path(os.environ.get("MOPD_SPOOL") or tempfile.gettempdir())
-    return spool / "mopd-ingest" / hashlib.sha256(location.url.encode()).hexdigest()[:16]
+    return location.machine_cache(INGEST_DIR)
 
 
 def publish_ingest_records(location: Location, cache: Path) -> None:

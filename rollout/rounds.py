@@ -39,7 +39,7 @@ from mopd.store.format.manifest import MANIFEST_FILE, read_manifest
 from mopd.store.format.teachers import alias_to_index, assign_teacher_indices
 from mopd.store.verify import verify_store
 from mopd.train.checkpoint.export import export_hf
-from mopd.train.checkpoint.state import complete_checkpoints, read_state
+from mopd.train.checkpoint.state import latest_checkpoint, read_state
 from mopd.train.evaluation import evaluate_student
 from mopd.train.report.metrics import Eta, by_name, format_duration, teacher_names
 from mopd.train.report.tracking import Trackers
@@ -186,8 +186,8 @@ class Rounds:
     def fit(self, config: MopdConfig) -> Path:
         """Trains the round (resuming its own checkpoints) and returns its run folder."""
         run = Path(config.train.output_dir if config.train else "")
-        found = complete_checkpoints(run / "checkpoints")
-        if not found or read_state(found[-1]).step < self.rounds.steps_per_round:
+        latest = latest_checkpoint(run)
+        if latest is None or read_state(latest).step < self.rounds.steps_per_round:
             run_training(config, resume=None, log=self.log)
         return run
 

@@ -39,7 +39,6 @@ from mopd.store.format.manifest import (
     read_record,
 )
 from mopd.store.format.teachers import (
-    TeacherIdentity,
     TeacherSlot,
     assign_teacher_indices,
     diff_teacher_lists,
@@ -221,10 +220,6 @@ def _check_arrays(
             except MopdError as err:
                 problems.append(str(err))
     return problems
-
-
-def store_teachers(manifest: Manifest) -> list[TeacherIdentity]:
-    return [TeacherIdentity(t.index, t.checkpoint, t.fingerprint) for t in manifest.teachers]
 
 
 def _config_fingerprints(
@@ -413,5 +408,5 @@ def check_checkpoint(folder: Path, manifest: Manifest) -> list[str]:
             f"{manifest.storage.encoding!r}: a resume on it is refused"
         )
     return problems + diff_teacher_lists(
-        store_teachers(manifest), recorded, expected_name="store", found_name="checkpoint"
+        manifest.teacher_list(), recorded, expected_name="store", found_name="checkpoint"
     )

@@ -75,7 +75,7 @@ class Session:
 
     @property
     def teacher_list(self) -> list[TeacherIdentity]:
-        return [TeacherIdentity(t.index, t.checkpoint, t.fingerprint) for t in self.store.manifest.teachers]
+        return self.store.manifest.teacher_list()
 
     def loss_fn(
         self, stats: StepStats, norm_of: Callable[[MicroBatch], torch.Tensor], *, train: bool

@@ -9,7 +9,7 @@ clipped, and AdamW steps under a linear-warmup, cosine-decay schedule.
 
 Ranks: the world is torchrun's processes. On the hf backend each is a data-parallel replica holding the
 whole student; on the fsdp backend each holds its shard of the student and of the AdamW state
-(`fsdp_student.py`). On the megatron backend the world splits into tp × pp model-parallel groups, one per
+(`backends/fsdp.py`). On the megatron backend the world splits into tp × pp model-parallel groups, one per
 replica; only the last pipeline stage holds teacher heads (its TP rank's vocabulary slice) and computes
 the loss, and its first TP rank reports the per-token statistics that rank 0 logs.
 """
@@ -34,7 +34,7 @@ from mopd.train.checkpoint.resume import RunIdentity, init_checkpoint, resume_ch
 from mopd.train.checkpoint.run_record import run_record
 from mopd.train.checkpoint.state import (
     ResumePoint,
-    complete_checkpoints,
+    latest_checkpoint,
     load_checkpoint,
     load_weights,
     save_checkpoint,
@@ -327,11 +327,9 @@ class Trainer:
             if teachers
             else f"non-finite gradient (norm {grad_norm}) on rank {self.world.rank}"
         )
-        latest = complete_checkpoints(self.checkpoint_root)
+        latest = latest_checkpoint(self.checkpoint_root)
         kept = (
-            f"the last complete checkpoint {latest[-1]} is untouched"
-            if latest
-            else "no checkpoint was written"
+            f"the last complete checkpoint {latest} is untouched" if latest else "no checkpoint was written"
         )
         raise NonFiniteError(
             f"step {step}: {where}; the step was not applied and {kept}. Lower train.optim.lr or check the "

@@ -43,10 +43,3 @@ def distilled_vocabulary(manifest: Manifest, *, student_rows: int, override: int
                 f"{teacher.vocab_size} if its missing rows are added tokens no row was ever trained for"
             )
     return vocab
-
-
-def shard_bounds(vocab: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
-    """[start, stop) of `tp_rank`'s slice of a vocabulary padded up to a multiple of `tp_size`: equal
-    slices, the last one's tail past `vocab` masked by the kernel (`linear_divergence(vocab_size=…)`)."""
-    local = -(-vocab // tp_size)
-    return tp_rank * local, (tp_rank + 1) * local

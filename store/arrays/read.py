@@ -13,9 +13,9 @@ A chunk or shard index that is missing, of the wrong size, fails its checksum or
 `StoreIntegrityError` naming the array, the chunk and the file: nothing is ever filled in, except the
 all-zero chunks that format 1 did not write (`fill_missing`).
 
-Given the array's part record (`files.Recorded`), a reader also proves that what it decodes is the file
+Given the array's part record (`binding.Recorded`), a reader also proves that what it decodes is the file
 the store recorded: its `zarr.json` has the recorded sha256, its shard the recorded size and (format 4)
-every chunk the checksum listed beside the shard (see `files.py`). A read of a shard's inner chunks is
+every chunk the checksum listed beside the shard (see `binding.py`). A read of a shard's inner chunks is
 one `Location.read_ranges`: one request on a bucket where they lie close together.
 """
 
@@ -38,7 +38,7 @@ from numcodecs import blosc
 from mopd.base.errors import StoreIntegrityError
 from mopd.base.jsonio import MAX_RECORD_BYTES, parse_json
 from mopd.store.arrays.binding import COPIED, CRC_FILE, Recorded
-from mopd.store.locations.location import Found, Location, join, open_location
+from mopd.store.locations.location import Found, Location, join, open_location, shared_pool
 
 # crc32c(data + its crc32c as 4 little-endian bytes) is this constant for any data: a chunk is
 # checked in one pass over its bytes, trailer included, with no copy.
@@ -263,7 +263,6 @@ class _BoundedCache:
 _CACHE = _BoundedCache(CACHE_BYTES)
 # Shard indexes (16 bytes per inner chunk), keyed by the shard file's identity like the chunks.
 _INDEXES = _BoundedCache(INDEX_CACHE_BYTES)
-_POOL: ThreadPoolExecutor | None = None
 
 
 def clear_cache() -> None:
@@ -273,10 +272,8 @@ def clear_cache() -> None:
 
 
 def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="mopd-chunks")
-    return _POOL
+    """Decoding releases the GIL: every core decodes a read's chunks."""
+    return shared_pool("chunks", os.cpu_count() or 1)
 
 
 class ArrayReader:

@@ -4,9 +4,9 @@ Format 3 stores every numeric array as one shard (zarr v3's `sharding_indexed` c
 `c/0[/0]` holding inner chunks of about `chunk_bytes` each (at most `MAX_INNER_ROWS` rows), every one
 encoded bytes → blosc (optional) → crc32c, followed by the shard index (offset and size of each inner
 chunk, itself crc32c-protected). Beside it, `chunks.crc32c` lists those checksums in order (format 4):
-what binds each chunk a reader decodes to the file the store recorded (`chunks.Recorded`).
+what binds each chunk a reader decodes to the file the store recorded (`binding.Recorded`).
 One file per array keeps the file count of a store at a few per task whatever its size, and a read
-decodes only the inner chunks it needs (`chunks.ArrayReader`). zarr-python writes each array's
+decodes only the inner chunks it needs (`read.ArrayReader`). zarr-python writes each array's
 metadata; mopd writes the shard file itself, streaming: inner chunks are encoded on a small thread pool
 as they fill and written in order, so memory stays at a few chunks however large the array. zarr-python
 and tensorstore read the result as any sharded array (tests/store/test_roundtrip.py shows both).
@@ -16,7 +16,7 @@ zarr-python has no bfloat16 dtype (bit-exact round trip).
 Reads never invent data: every inner chunk is written, zeros too, and a missing, truncated, undecodable
 or bit-flipped chunk is a `StoreIntegrityError` naming the array and the chunk. (Format 2 wrote one file
 per chunk, format 1 skipped all-zero chunks and carried no checksums; both are still read, see
-`chunks.py` and `reader.py`.)
+`read.py` and `store/reader.py`.)
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import numpy as np
 from mopd.base import faults
 from mopd.store.arrays.binding import CRC_FILE
 from mopd.store.arrays.read import chunk_name
+from mopd.store.locations.location import shared_pool
 
 if TYPE_CHECKING:
     from numcodecs import Blosc
@@ -43,15 +44,11 @@ CODECS = ("shuffle-zstd1", "none")
 _BLOSC_BLOCK_BYTES = 1 << 20
 _ENCODES_IN_FLIGHT = 8  # inner chunks being encoded at once, per array being written
 _STORAGE_DTYPE: dict[str, np.dtype] = {"bfloat16": np.dtype("uint16"), "float32": np.dtype("float32")}
-_ENCODERS: ThreadPoolExecutor | None = None
 
 
 def _encoders() -> ThreadPoolExecutor:
     """Blosc releases the GIL: encoding on every core writes ~1.4x faster on two (measured, 256 KiB)."""
-    global _ENCODERS
-    if _ENCODERS is None:
-        _ENCODERS = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="mopd-encode")
-    return _ENCODERS
+    return shared_pool("encode", os.cpu_count() or 1)
 
 
 def storage_dtype(logical_dtype: str) -> np.dtype:

@@ -115,13 +115,6 @@ class Encoding:
         return self.unrotate(y) + self._parts(y.device)[0]
 
 
-def fit_mean(states: list[torch.Tensor]) -> np.ndarray:
-    """The mean hidden state [H] (float32) of the calibration rows' states, summed in float64."""
-    total = torch.stack([s.double().sum(dim=0).cpu() for s in states]).sum(dim=0)
-    count = sum(s.shape[0] for s in states)
-    return (total / max(count, 1)).float().numpy()
-
-
 class Calibration:
     """A teacher's encoding, fitted on the states of its first rows (`add`, in row order): the mean of
     all of them, and the KL that the encoding costs measured on the first `MEASURED_TOKENS` (`fit`)."""

@@ -13,8 +13,8 @@ downstream guesses one. Version 2 adds per-chunk crc32c
 checksums to every array and writes every chunk, so a read can tell a missing chunk from a zero one;
 a fingerprint covers every byte of a teacher that decides its outputs. Version 3 keeps the records of
 version 2 and changes only the arrays' layout (one shard file per array of small inner chunks,
-`arrays.py`): `storage.chunk_bytes` is then the inner chunk's size. Version 4 keeps that layout and adds
-beside each shard the list of its chunks' checksums (`chunks.CRC_FILE`), which binds every chunk a reader
+`arrays/write.py`): `storage.chunk_bytes` is then the inner chunk's size. Version 4 keeps that layout and adds
+beside each shard the list of its chunks' checksums (`arrays.read.CRC_FILE`), which binds every chunk a reader
 decodes to the file the part record names. Version 1 records are upgraded on reading (`format_version`
 keeps saying 1, so readers know which guarantees hold). An int8-rotated store (`storage.encoding`)
 requires the feature `int8-rotated` of its readers; an exact store's records are unchanged.
@@ -42,14 +42,15 @@ from mopd.base.errors import ManifestError, StoreIncompleteError
 from mopd.base.jsonio import MAX_RECORD_BYTES, describe_location, parse_json
 from mopd.store.arrays.binding import Recorded
 from mopd.store.format.legacy import upgrade_v1_manifest, upgrade_v1_part, upgrade_v1_plan
+from mopd.store.format.teachers import TeacherIdentity
 from mopd.store.locations.location import Location, open_location
 
 FORMAT = "mopd-teacher-store"
 FORMAT_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
 BOUND_FROM_VERSION = 4  # from this version on, every chunk read is bound to its recorded file
-# `storage.encoding`: hidden states as computed, or 8-bit codes (`encoding.py`); a store of the latter
-# requires the feature of that name of its readers.
+# `storage.encoding`: hidden states as computed, or 8-bit codes (`codec/int8_rotated.py`); a store of the
+# latter requires the feature of that name of its readers.
 EXACT, INT8_ROTATED = "exact", "int8-rotated"
 KNOWN_FEATURES: frozenset[str] = frozenset({INT8_ROTATED})
 
@@ -167,7 +168,7 @@ class StorageInfo(_Record):
     chunk_bytes: Annotated[StrictInt, Field(gt=0)]
     # Per-chunk checksum of every array (version 2); None in version-1 stores.
     checksum: Literal["crc32c"] | None = "crc32c"
-    # How hidden states are stored: `exact` in `hidden_dtype`, or 8-bit codes (`encoding.py`).
+    # How hidden states are stored: `exact` in `hidden_dtype`, or 8-bit codes (`codec/int8_rotated.py`).
     encoding: Literal["exact", "int8-rotated"] = "exact"
 
 
@@ -270,6 +271,11 @@ class Manifest(_Record):
     encodings: list[EncodingArtifact] = []  # int8-rotated stores: one per teacher with rows
     config: dict[str, Any]
     volatile: dict[str, Any] = {}
+
+    def teacher_list(self) -> list[TeacherIdentity]:
+        """What each teacher index means (checkpoint and fingerprint): what a checkpoint records and a
+        resume compares."""
+        return [TeacherIdentity(t.index, t.checkpoint, t.fingerprint) for t in self.teachers]
 
     def artifacts(self) -> list[ArtifactRecord]:
         return [self.rows, *self.lm_heads, *self.encodings, *self.shards]

@@ -1,11 +1,11 @@
-"""A store under a prefix of an object-storage bucket (`locations.Location`), through obstore.
+"""A store under a prefix of an object-storage bucket (`location.Location`), through obstore.
 
 A bucket has no rename and no hard link; it has conditional writes. A task's folder is written in a
 local workspace, then each file is uploaded to its key with a create-only write (`If-None-Match: *`); a
 key that exists already is another writer's copy of the task (kept where its bytes are this one's) or a
 stopped job's leftover, replaced only while the task has no part record and only at the version found
 (`If-Match`). The part record is created last the same way, so a second writer gets 412 and takes the
-task as done by another job. Reads are byte ranges, merged where close (`locations.merged`) and run
+task as done by another job. Reads are byte ranges, merged where close (`location.merged`) and run
 concurrently, each conditional on the version a reader first saw.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import shutil
 import tempfile
 import uuid
@@ -24,7 +23,14 @@ from typing import Any, cast
 from mopd.base import faults
 from mopd.base.errors import ConfigError, FilesystemError, StoreIntegrityError
 from mopd.base.fsio import is_temporary, sha256_file
-from mopd.store.locations.location import REQUESTS_IN_FLIGHT, Found, Location, merged, shared_pool
+from mopd.store.locations.location import (
+    REQUESTS_IN_FLIGHT,
+    Found,
+    Location,
+    merged,
+    shared_pool,
+    spool_folder,
+)
 
 _HASH_BLOCK = 8 << 20
 
@@ -41,7 +47,7 @@ class Bucket(Location):
         self.url = url
         self.options = dict(options or {})
         self._store: Any = None
-        self.spool = Path(os.environ.get("MOPD_SPOOL") or tempfile.gettempdir())
+        self.spool = spool_folder()
 
     def __getstate__(self) -> dict[str, Any]:  # a verify worker opens its own client
         return {**self.__dict__, "_store": None}
@@ -207,6 +213,9 @@ class Bucket(Location):
 
     def write_same(self, key: str, data: bytes) -> None:
         self.create_exclusive(key, data, what="metadata")
+
+    def machine_cache(self, name: str) -> Path:
+        return self.spool / f"mopd-{name}" / hashlib.sha256(self.url.encode()).hexdigest()[:16]
 
     def workspace(self, key: str) -> Path:
         self.spool.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""A store in a folder of a local or shared POSIX filesystem (`locations.Location`).
+"""A store in a folder of a local or shared POSIX filesystem (`location.Location`).
 
 The commit protocol of DESIGN §4 on a filesystem (`base/fsio.py`): a task is written in a temporary
 sibling of its folder, fsynced and renamed onto its name (a rename onto an existing folder fails), and
@@ -155,3 +155,6 @@ class Folder(Location):
 
     def local_folder(self) -> Path:
         return self.root
+
+    def machine_cache(self, name: str) -> Path:
+        return self.root / name

@@ -10,7 +10,9 @@ second writer gets 412. Readers trust only the manifest and the part records, on
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
@@ -173,6 +175,18 @@ class Location(ABC):
     def local_folder(self) -> Path | None:
         """The store's folder on this machine; None for a bucket."""
         return None
+
+    @abstractmethod
+    def machine_cache(self, name: str) -> Path:
+        """Where this machine keeps the store's `name` folder for its jobs: inside the store on a filesystem
+        (every job of every machine shares it), under this machine's spool (`spool_folder`) for a store in
+        a bucket (each machine keeps its own)."""
+
+
+def spool_folder() -> Path:
+    """This machine's workspace for stores in buckets (tasks written before their upload, tokenised rows):
+    `MOPD_SPOOL`, or the system's temporary folder."""
+    return Path(os.environ.get("MOPD_SPOOL") or tempfile.gettempdir())
 
 
 _POOLS: dict[str, ThreadPoolExecutor] = {}

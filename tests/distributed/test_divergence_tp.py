@@ -156,11 +156,16 @@ def padded_case() -> Case:
     return case
 
 
+def shard_bounds(vocab: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """[start, stop) of `tp_rank`'s slice of a vocabulary padded up to a multiple of `tp_size`: equal
+    slices, the last one's tail past `vocab` masked by the kernel (`linear_divergence(vocab_size=…)`)."""
+    local = -(-vocab // tp_size)
+    return tp_rank * local, (tp_rank + 1) * local
+
+
 def run_padded(rank: int, world: int) -> dict[str, torch.Tensor]:
     """This rank's slice of the 259 real tokens (padded up to a multiple of `world`), cut from every
     head whatever its own padding: columns past 259 are masked by `vocab_size`."""
-    from mopd.train.vocabulary import shard_bounds
-
     case = padded_case()
     start, stop = shard_bounds(TOKENS, rank, world)
     hs = case.student_hidden.detach().clone().requires_grad_()

@@ -14,6 +14,8 @@ from typing import Any, Self
 import torch
 import torch.distributed as dist
 
+from mopd.mcore.parallel import start_process_group
+
 
 @dataclass
 class RankGroup:
@@ -32,13 +34,9 @@ class RankGroup:
         a process group even on one rank, FSDP's)."""
         if dist.is_available() and dist.is_initialized():
             return cls(dist.get_rank(), dist.get_world_size())
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-            if not always:
-                return cls()
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-            return cls(owns_group=True)
-        dist.init_process_group(backend)
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not always:
+            return cls()
+        start_process_group(device)
         return cls(dist.get_rank(), dist.get_world_size(), owns_group=True)
 
     @property

@@ -22,17 +22,19 @@ from safetensors.torch import load_file
 from mopd.base.errors import ConfigError, MopdError
 from mopd.base.fsio import publish_dir, unique_temp_name
 from mopd.train.backends.hf import load_student_tokenizer, save_tokenizer
-from mopd.train.checkpoint.state import COMPLETE, SHARDED_STATE, complete_checkpoints, read_state
+from mopd.train.checkpoint.state import (
+    SHARDED_STATE,
+    latest_checkpoint,
+    read_state,
+)
 
 
 def resolve_checkpoint(path: Path) -> Path:
     """`path` itself when it is a complete checkpoint, else the latest complete one of a run folder."""
-    if (path / COMPLETE).exists():
-        return path
-    found = complete_checkpoints(path / "checkpoints") or complete_checkpoints(path)
-    if not found:
+    found = latest_checkpoint(path)
+    if found is None:
         raise ConfigError(f"{path} is neither a complete checkpoint nor a run folder holding one")
-    return found[-1]
+    return found
 
 
 def _join_megatron_shards(model_dir: Path, tp: int, pp: int, folder: Path) -> None:
@@ -93,16 +95,17 @@ def _gather_megatron_state(checkpoint: Path, dtype: str, folder: Path) -> None:
 def _world_of_one() -> Iterator[None]:
     """A process group of this process alone (also inside torchrun's environment: the export runs on
     one rank, after the run's own group is gone), unless one is already up."""
+    import torch
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    from mopd.mcore.parallel import start_process_group
+
+    owns = start_process_group(torch.device("cpu"), alone=True)
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        if owns:
+            dist.destroy_process_group()
 
 
 def _save_converted(state: dict, model_dir: Path, folder: Path) -> None:

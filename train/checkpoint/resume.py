@@ -19,7 +19,12 @@ from mopd.config.train import InitFromConfig
 from mopd.store.format.teachers import TeacherIdentity, diff_teacher_lists, read_teacher_list
 from mopd.train.backends.groups import RankGroup
 from mopd.train.checkpoint.run_record import diff_run_records
-from mopd.train.checkpoint.state import CheckpointState, complete_checkpoints, read_state, remove_temporaries
+from mopd.train.checkpoint.state import (
+    CheckpointState,
+    latest_checkpoint,
+    read_state,
+    remove_temporaries,
+)
 
 Log = Callable[[str], None]
 
@@ -67,10 +72,9 @@ def resume_checkpoint(
         if stale:
             log(f"removed {len(stale)} unfinished checkpoint save(s): {', '.join(stale)}")
     world.barrier()
-    found = complete_checkpoints(root)
-    if not found:
+    latest = latest_checkpoint(root)
+    if latest is None:
         return None
-    latest = found[-1]
     if resume is False:
         raise ConfigError(
             f"{root.parent} already holds checkpoints (latest {latest.name}); pass --resume to continue "
@@ -102,12 +106,12 @@ def init_checkpoint(init: InitFromConfig, *, layout: dict[str, Any], world: Rank
         ConfigError: neither, or a checkpoint of another student layout.
         CheckpointError: a damaged file.
     """
-    folder = Path(init.checkpoint)
-    if not (folder / "state.json").exists():
-        found = complete_checkpoints(folder / "checkpoints") or complete_checkpoints(folder)
-        if not found:
-            raise ConfigError(f"train.init_from: {folder} is neither a checkpoint nor a run folder")
-        folder = found[-1]
+    folder = latest_checkpoint(Path(init.checkpoint))
+    if folder is None:
+        raise ConfigError(
+            f"train.init_from: {init.checkpoint} is neither a complete checkpoint nor a run folder "
+            "holding one"
+        )
     check_files(folder, world)
     state = read_state(folder)
     check_layout(folder, state, layout, doing="start from")

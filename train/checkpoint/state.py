@@ -74,6 +74,15 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+def latest_checkpoint(path: Path) -> Path | None:
+    """The checkpoint `path` stands for: itself when it is a complete checkpoint, else the newest complete
+    one of a run folder (under its `checkpoints/`) or of a checkpoints folder; None when there is none."""
+    if (path / COMPLETE).exists():
+        return path
+    found = complete_checkpoints(path / "checkpoints") or complete_checkpoints(path)
+    return found[-1] if found else None
+
+
 def _optimizer_tensors(whole: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {
         f"{position}.{name}": value.detach().contiguous().cpu()
