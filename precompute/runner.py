@@ -10,10 +10,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import numpy as np
 
@@ -46,9 +45,6 @@ from mopd.store.format.manifest import (
 from mopd.store.format.provenance import INGEST_DIR, INGEST_RECORD
 from mopd.store.locations.location import Location, open_location
 from mopd.store.writer import StoreWriter
-
-if TYPE_CHECKING:
-    from mopd.mcore.parallel import ModelParallelGroup
 
 Task: TypeAlias = RowsTask | HeadTask | ShardTask | EncodingTask
 
@@ -190,20 +186,56 @@ def ingest_rows(
     return rows
 
 
+class JobRanks(Protocol):
+    """The ranks of one precompute job: this process alone, or a megatron model-parallel group whose lead
+    writes the store and hands the others their share of the tasks."""
+
+    @property
+    def is_lead(self) -> bool: ...  # the rank that writes the job's store
+
+    dp_size: int  # the world's jobs (model-parallel groups), each one job of the split
+    dp_rank: int
+
+    def share(self, items: list[Any]) -> list[Any]: ...  # the lead's list, on every rank
+    def wait_for_world(self) -> None: ...  # returns once every job of the world is done
+    def __enter__(self) -> JobRanks: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class OneProcess:
+    """The ranks of a job that computes in this process (hf, vllm): itself, the only job of its world."""
+
+    is_lead = True
+    dp_size = 1
+    dp_rank = 0
+
+    def share(self, items: list[Any]) -> list[Any]:
+        return items
+
+    def wait_for_world(self) -> None:
+        """Nothing to wait for."""
+
+    def __enter__(self) -> OneProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Nothing to end."""
+
+
 def start_job(
     backend: str, settings: PrecomputeConfig, num_tasks: int, task_index: int
-) -> tuple[ModelParallelGroup | None, int, int]:
-    """The megatron backend's model-parallel group (None for the others), which the caller closes, and
-    this job's share of the tasks as (num_tasks, task_index): each tp × pp group of the world is one job
-    of the split."""
-    if backend != "megatron":
-        return None, num_tasks, task_index
-    from mopd.mcore.parallel import ModelParallelGroup
+) -> tuple[JobRanks, int, int]:
+    """The job's ranks, which the caller ends (`with`), and its share of the tasks as (num_tasks,
+    task_index): each tp × pp group of a megatron world is one job of the split."""
+    if backend != "megatron":  # the one backend whose job spans ranks
+        ranks: JobRanks = OneProcess()
+    else:
+        from mopd.mcore.parallel import ModelParallelGroup
 
-    group = ModelParallelGroup.start(
-        settings.parallel, rank_device(settings.device), what="precompute.parallel"
-    )
-    return group, num_tasks * group.dp_size, task_index * group.dp_size + group.dp_rank
+        ranks = ModelParallelGroup.start(
+            settings.parallel, rank_device(settings.device), what="precompute.parallel"
+        )
+    return ranks, num_tasks * ranks.dp_size, task_index * ranks.dp_size + ranks.dp_rank
 
 
 def task_batches(task: ShardTask, rows: TokenizedRows, batch_tokens: int) -> list[np.ndarray]:
@@ -271,9 +303,9 @@ def compute_dtype(settings: PrecomputeConfig) -> str:
     return str(resolve_dtype(settings.dtype, resolve_device(settings.device))).removeprefix("torch.")
 
 
-def open_output(store: Location, plan: Plan, hidden_dtype: str, group: ModelParallelGroup | None) -> Output:
+def open_output(store: Location, plan: Plan, hidden_dtype: str, ranks: JobRanks) -> Output:
     """The store, for a job's writer; nothing, for the other ranks of a megatron group."""
-    if group is None or group.is_lead:
+    if ranks.is_lead:
         return StoreOutput(StoreWriter.open(store, plan), hidden_dtype)
     return NoOutput()
 
@@ -298,16 +330,12 @@ class Share:
     todo: list[Task]
 
 
-def job_share(
-    plan: Plan, output: Output, group: ModelParallelGroup | None, num_tasks: int, task_index: int
-) -> Share:
+def job_share(plan: Plan, output: Output, ranks: JobRanks, num_tasks: int, task_index: int) -> Share:
     split = [t.task_id for t in plan.tasks if not isinstance(t, EncodingTask)]
     selected = set(select_tasks(split, num_tasks=num_tasks, task_index=task_index))
     done = output.done()
     selected |= encodings_for(plan, selected, done)
-    todo = [t.task_id for t in plan.tasks if t.task_id in selected and t.task_id not in done]
-    if group is not None:
-        todo = group.share(todo)
+    todo = ranks.share([t.task_id for t in plan.tasks if t.task_id in selected and t.task_id not in done])
     chosen = set(todo)
     return Share(selected, selected & done, [t for t in plan.tasks if t.task_id in chosen])
 
@@ -328,7 +356,7 @@ def run_tasks(
     rows: TokenizedRows,
     settings: PrecomputeConfig,
     backend: str,
-    group: ModelParallelGroup | None,
+    ranks: JobRanks,
     show_progress: bool,
     log: Callable[[str], Any] = print,
 ) -> float:
@@ -344,7 +372,7 @@ def run_tasks(
                 progress.describe(f"teacher {'+'.join(slot.aliases)}")
                 length = int(rows.lengths.max())
                 teacher = load_teacher(
-                    settings, backend, slot.checkpoint, max_model_len=length, group=group, log=log
+                    settings, backend, slot.checkpoint, max_model_len=length, group=ranks, log=log
                 )
                 run_teacher_tasks(output, teacher, mine, rows, settings.batch_tokens, progress)
     return progress.tokens / max(time.perf_counter() - start, 1e-9)
@@ -424,17 +452,16 @@ def run_precompute(
     rows = ingest_rows(config, teachers, cache, show_progress=show_progress, log=log)
     plan = build_plan(config, teachers, rows, backend, compute_dtype(settings))
 
-    group, num_tasks, task_index = start_job(backend, settings, num_tasks, task_index)
-    with group or nullcontext():  # the job's model-parallel state ends with the job, however it ends
-        output = open_output(location, plan, config.store.dtype, group)
-        share = job_share(plan, output, group, num_tasks, task_index)
+    ranks, num_tasks, task_index = start_job(backend, settings, num_tasks, task_index)
+    with ranks:  # a megatron job's model-parallel state ends with the job, however it ends
+        output = open_output(location, plan, config.store.dtype, ranks)
+        share = job_share(plan, output, ranks, num_tasks, task_index)
         if output.writes:
             publish_ingest_records(location, cache)
             log(describe_share(location.url, plan, share, rows, output))
 
         progress = show_progress and output.writes
-        tokens_per_s = run_tasks(output, share.todo, teachers, rows, settings, backend, group, progress, log)
+        tokens_per_s = run_tasks(output, share.todo, teachers, rows, settings, backend, ranks, progress, log)
         manifest = output.finalize()
-        if group is not None:  # every rank returns once its world's stores are written, the manifest too
-            group.wait_for_world()
+        ranks.wait_for_world()  # every rank returns once its world's stores are written, the manifest too
     return precompute_result(location.url, plan, share, rows, manifest, tokens_per_s, output)

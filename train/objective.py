@@ -17,7 +17,7 @@ from mopd.base.errors import ConfigError
 from mopd.config.train import DivergenceConfig
 from mopd.store.format.manifest import Manifest
 from mopd.train.backends.groups import RankGroup
-from mopd.train.backends.hf import TrainStudent
+from mopd.train.backends.protocol import TrainStudent
 from mopd.train.data.loader import MicroBatch
 from mopd.train.heads import TeacherHeads
 from mopd.train.kernel.chunk_chain import chunk_size_for, should_compile

@@ -17,16 +17,11 @@ _SAMPLE = 1 << 16  # weights per parameter tensor looked at (its first ones: the
 # the weights' magnitudes, and every tensor's first elements are as typical as any)
 
 
-def local_values(p: torch.Tensor) -> torch.Tensor:
-    """A parameter's values on this rank (its own shard when sharded)."""
-    return p.to_local() if hasattr(p, "to_local") else p
-
-
 @torch.no_grad()
 def unchanged_share(parameters: Iterable[torch.Tensor], lr: float) -> float:
-    """The share of the parameters' bf16 weights that one AdamW-sized step (`lr`, either sign) leaves
-    unchanged."""
-    weights = torch.cat([local_values(p).detach().reshape(-1)[:_SAMPLE] for p in parameters])
+    """The share of the parameters' bf16 weights (this rank's parts of them) that one AdamW-sized step
+    (`lr`, either sign) leaves unchanged."""
+    weights = torch.cat([p.detach().reshape(-1)[:_SAMPLE] for p in parameters])
     w = weights.to(torch.bfloat16)
     up = (w.float() + lr).to(torch.bfloat16) == w
     down = (w.float() - lr).to(torch.bfloat16) == w

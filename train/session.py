@@ -25,7 +25,8 @@ from mopd.config.train import TrainConfig
 from mopd.store.format.teachers import TeacherIdentity
 from mopd.store.reader import TeacherStore, open_store
 from mopd.train.backends.groups import RankGroup
-from mopd.train.backends.hf import HFStudent, LossFn, TrainStudent
+from mopd.train.backends.protocol import LossFn, TrainStudent
+from mopd.train.backends.registry import backend
 from mopd.train.data.loader import MicroBatch, read_microbatches
 from mopd.train.data.order import rank_microbatches
 from mopd.train.heads import TeacherHeads
@@ -129,7 +130,8 @@ def open_session(config: MopdConfig, *, store_path: str | Path | None = None, lo
     with ExitStack() as exits:
         check_device(tc.device, key="train.device")
         device = rank_device(tc.device)
-        world = exits.enter_context(RankGroup.from_environment(device, always=tc.backend == "fsdp"))
+        entry = backend(tc.backend)
+        world = exits.enter_context(RankGroup.from_environment(device, always=entry.needs_process_group))
         log = log if world.rank == 0 else _silent
         torch.manual_seed(tc.seed)
         store = open_store(store_path or config.store.path, config.store.options)
@@ -141,7 +143,8 @@ def open_session(config: MopdConfig, *, store_path: str | Path | None = None, lo
         if store.format_note:
             log(f"note: {store.format_note}")
         log(f"loading student {tc.student} ({tc.backend}, {tc.dtype}) on {device}")
-        student = _load_student(tc, device, world, exits)
+        student = entry.open_student(tc, device, world, exits)
+        exits.callback(student.close)
         student.check_compatible(manifest)
         vocab_size = distilled_vocabulary(manifest, student_rows=student.output_rows, override=tc.vocab_size)
         vocab_start, vocab_stop = student.vocab_slice(vocab_size)
@@ -177,47 +180,6 @@ def open_session(config: MopdConfig, *, store_path: str | Path | None = None, lo
             exits.pop_all(),
         )
     return session
-
-
-def _load_student(tc: TrainConfig, device: torch.device, world: RankGroup, exits: ExitStack) -> TrainStudent:
-    """The student on this rank; a megatron student's model-parallel group joins `exits`."""
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[tc.dtype]
-    if tc.backend == "megatron":
-        from mopd.mcore.parallel import ModelParallelGroup
-        from mopd.train.backends.megatron import MegatronStudent
-
-        group = exits.enter_context(ModelParallelGroup.start(tc.parallel, device, what="train.parallel"))
-        student: TrainStudent = MegatronStudent(
-            tc.student,
-            group=group,
-            dtype=dtype,
-            mixed_precision=tc.mixed_precision == "bf16",
-            activation_checkpointing=tc.activation_checkpointing,
-        )
-    elif tc.backend == "fsdp":
-        from mopd.train.backends.fsdp import FSDPStudent
-
-        student = FSDPStudent(
-            tc.student,
-            device=device,
-            dtype=dtype,
-            dp=world,
-            replicate=tc.parallel.dp_replicate,
-            sync_every_microbatch=tc.parallel.gradient_sync == "microbatch",
-            mixed_precision=tc.mixed_precision == "bf16",
-            activation_checkpointing=tc.activation_checkpointing,
-        )
-    else:
-        student = HFStudent(
-            tc.student,
-            device=device,
-            dtype=dtype,
-            dp=world,
-            mixed_precision=tc.mixed_precision == "bf16",
-            activation_checkpointing=tc.activation_checkpointing,
-        )
-    exits.callback(student.close)
-    return student
 
 
 def _account_heads(

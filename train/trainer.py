@@ -182,7 +182,9 @@ class Trainer:
             self.log(warning)
         self.optimizer = self.student.optimizer(lr=tc.optim.lr, weight_decay=tc.optim.weight_decay)
         if tc.dtype == "bfloat16":
-            self.log(pure_bf16_warning(unchanged_share(self.student.parameters(), tc.optim.lr), tc.optim.lr))
+            self.log(
+                pure_bf16_warning(unchanged_share(self.student.local_parameters(), tc.optim.lr), tc.optim.lr)
+            )
         self.log(self._memory_estimate())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, warmup=tc.optim.warmup_steps, total=tc.steps)
@@ -197,14 +199,14 @@ class Trainer:
     def _memory_estimate(self) -> str:
         hidden, layers = self.student.decoder_shape
         estimate = estimate_peak(
-            self.student.parameters(),
+            self.student.local_parameters(),
             tc=self.tc,
             hidden_size=hidden,
             layers=layers,
             vocab_rows=self.objective.local_rows if self.student.holds_loss else 0,
             chunk_size=self.objective.chunk_size,
             heads=self.heads,
-            optimizer_shards=getattr(self.optimizer, "world_size", 1),  # ZeRO shards the moments
+            optimizer_shards=self.student.optimizer_shards,
         )
         return estimate.line(self.session.device)
 

@@ -316,7 +316,7 @@ def _check_exported(
     group = ModelParallelGroup.start(ParallelConfig(tp=2, pp=2), torch.device("cpu"), what="train.parallel")
     try:
         model = MegatronStudent(student, group=group, dtype=torch.float32)
-        model.load_sharded(Path(checkpoint) / "state", None)
+        model.load_state(Path(checkpoint), None)
         model.train(False)
 
         def logits(hidden: torch.Tensor, head: torch.Tensor, mb: object) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
 from mopd.base.completion import write_complete
-from mopd.base.errors import ConfigError
+from mopd.base.errors import CheckpointError, ConfigError
 from mopd.cli.main import cli
 from mopd.store.format.teachers import TEACHER_LIST_FILE
 from mopd.train.checkpoint.state import COMPLETE, complete_checkpoints
@@ -142,8 +142,8 @@ def test_export_hf_writes_the_trained_student(world: World, tmp_path: Path) -> N
 
 def test_a_checkpoint_of_another_backend_is_refused(world: World, tmp_path: Path) -> None:
     """An hf checkpoint is not resumed by a megatron student (one process, tp = pp = 1): the layout in
-    state.json is checked, and the message names both layouts. Nor is an earlier mopd's megatron
-    checkpoint (one weights file per slice and stage, its layout recorded as tp × pp)."""
+    state.json is checked, and the message names both layouts. An earlier mopd's megatron checkpoint
+    (one weights file per slice and stage, its layout recorded as tp × pp) is refused in one line."""
     run_training(world_config(world, tmp_path, steps=2), max_steps=1, log=lambda _line: None)
     folder = tmp_path / "run" / "checkpoints" / "step_00000001"
     state = json.loads((folder / "state.json").read_text())
@@ -157,9 +157,10 @@ def test_a_checkpoint_of_another_backend_is_refused(world: World, tmp_path: Path
         json.dumps({**state, "layout": {"backend": "megatron", "tp": 2, "pp": 2}})
     )
     write_complete(folder, {"step": 1})
-    earlier = r"written by a megatron tp=2 × pp=2 \(per-slice files of an earlier mopd\) student"
-    with pytest.raises(ConfigError, match=earlier):
+    earlier = r"one weights file per tensor-parallel slice and pipeline stage .* train that student again"
+    with pytest.raises(CheckpointError, match=earlier) as refused:
         run_training(megatron, log=lambda _line: None)
+    assert "\n" not in str(refused.value)  # one line
 
 
 def test_a_student_without_safetensors_weights_is_refused(world: World, tmp_path: Path) -> None:

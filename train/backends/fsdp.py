@@ -21,8 +21,9 @@ gradient.
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from mopd.base import faults
 from mopd.base.errors import ConfigError
+from mopd.config.train import TrainConfig
 from mopd.train.backends.groups import RankGroup
-from mopd.train.backends.hf import FinalStates, HFStudent, final_states, save_tokenizer
+from mopd.train.backends.hf import (
+    FinalStates,
+    HFStudent,
+    final_states,
+    load_student_tokenizer,
+    save_tokenizer,
+)
+from mopd.train.backends.protocol import MODEL_DIR, SHARDED_STATE, Backend, StudentLayout, student_dtype
 
 
 def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -89,8 +99,6 @@ class FSDPStudent(HFStudent):
             activation_checkpointing=activation_checkpointing,
         )
         self.device = device
-        self.writes_checkpoint_shard = True  # every rank writes its own shard
-        self.sharded_checkpoint = True
         self.sync_every_microbatch = sync_every_microbatch
         mesh = shard_mesh(dp, replicate, device)
         policy = (
@@ -123,10 +131,14 @@ class FSDPStudent(HFStudent):
         return trunk
 
     @property
-    def layout(self) -> dict[str, Any]:
+    def layout(self) -> StudentLayout:
         """What a checkpoint of this student must match to be resumed by it: not the rank count (the
         shards are re-cut on load)."""
-        return {"backend": "fsdp"}
+        return StudentLayout(backend="fsdp")
+
+    def local_parameters(self) -> list[torch.Tensor]:
+        """Each parameter's shard on this rank (a DTensor's local part)."""
+        return [p.to_local() for p in self.parameters()]  # DTensors
 
     def whole_head(self) -> torch.Tensor:
         """The output layer's whole weight, gathered (a no-op while it already is)."""
@@ -166,7 +178,7 @@ class FSDPStudent(HFStudent):
 
     def save(self, folder: Path) -> None:
         """The student's config and tokenizer (rank 0): what `mopd export-hf` builds the model from; the
-        weights are in the checkpoint's sharded state (`save_sharded`)."""
+        weights are in the checkpoint's sharded state."""
         if self.dp.rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
             self.model.config.save_pretrained(folder)
@@ -181,21 +193,60 @@ class FSDPStudent(HFStudent):
             state["optimizer"] = get_optimizer_state_dict(self.model, optimizer)
         return state
 
-    def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
-        """Every rank writes its shards of the weights and AdamW state into `folder` (torch's
-        distributed checkpoint: one file per rank and a `.metadata` index)."""
+    def save_state(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
+        """The config and tokenizer (`model/`), and every rank's shards of the weights and AdamW state in
+        `state/` (torch's distributed checkpoint: one file per rank and a `.metadata` index). Every rank
+        calls it."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self.state(optimizer), checkpoint_id=folder)
+        with faults.io("write", folder / MODEL_DIR):
+            self.save(folder / MODEL_DIR)
+        with faults.io("write", folder / SHARDED_STATE):
+            dcp.save(self.state(optimizer), checkpoint_id=folder / SHARDED_STATE)
+        faults.point("checkpoint-shards-written")
 
-    def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer | None) -> None:
-        """Loads `save_sharded`'s state into this layout's shards (any rank count: the shards are re-cut),
+    def load_state(self, folder: Path, optimizer: torch.optim.Optimizer | None) -> None:
+        """Loads `save_state`'s shards into this layout's (any rank count: the shards are re-cut),
         bit-exact; the optimizer's learning rate and other hyper-parameters come back too."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         state = self.state(optimizer)
-        dcp.load(state, checkpoint_id=folder)
+        dcp.load(state, checkpoint_id=folder / SHARDED_STATE)
         set_model_state_dict(self.model, state["model"])
         if optimizer is not None:
             set_optimizer_state_dict(self.model, optimizer, state["optimizer"])
+
+
+def open_student(tc: TrainConfig, device: torch.device, world: RankGroup, exits: ExitStack) -> FSDPStudent:
+    """The student sharded over the ranks of `world` (replicated over `train.parallel.dp_replicate`
+    groups of them)."""
+    return FSDPStudent(
+        tc.student,
+        device=device,
+        dtype=student_dtype(tc),
+        dp=world,
+        replicate=tc.parallel.dp_replicate,
+        sync_every_microbatch=tc.parallel.gradient_sync == "microbatch",
+        mixed_precision=tc.mixed_precision == "bf16",
+        activation_checkpointing=tc.activation_checkpointing,
+    )
+
+
+def export_whole(checkpoint: Path, dtype: str, folder: Path) -> None:
+    """The whole student from the checkpoint's shards, read in this one process (no process group)."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(checkpoint / MODEL_DIR)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # one process reading every shard is what is meant here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=checkpoint / SHARDED_STATE, no_dist=True)
+    model.load_state_dict(state["model"])
+    model.save_pretrained(folder)
+    save_tokenizer(load_student_tokenizer(checkpoint / MODEL_DIR), folder)
+
+
+BACKEND = Backend(open_student=open_student, export_whole=export_whole, needs_process_group=True)

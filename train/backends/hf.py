@@ -15,58 +15,29 @@ outputs), which adds exact zeros to every gradient.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from mopd.base import faults
 from mopd.base.errors import ConfigError
+from mopd.config.train import TrainConfig
 from mopd.store.format.fingerprint import vocab_hash
 from mopd.store.format.manifest import Manifest
 from mopd.store.format.transform import LogitTransform
 from mopd.train.backends.groups import RankGroup, sum_over_ranks
-
-# (final hidden states of the trained tokens [N, H], this rank's output-layer shard, microbatch)
-# -> (loss to back-propagate, anything the caller wants back)
-LossFn = Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, Any]]
-
-
-class TrainStudent(Protocol):
-    """What the trainer needs of a student backend (`HFStudent`, `MegatronStudent`) on one rank."""
-
-    checkpoint: Path
-    holds_loss: bool  # this rank computes the loss, so holds the teacher heads
-    reports: bool  # this rank's per-token statistics count toward the step's metrics
-    writes_checkpoint_shard: bool  # of identical replicas, the one that writes
-    sharded_checkpoint: bool  # every rank writes its shards (`save_sharded`), else one writes the whole
-
-    @property
-    def output_rows(self) -> int: ...
-    def vocab_slice(self, vocab: int) -> tuple[int, int]: ...
-    @property
-    def tp_group(self) -> Any: ...
-    @property
-    def layout(self) -> dict[str, Any]: ...
-    @property
-    def decoder_shape(self) -> tuple[int, int]: ...  # (hidden size, decoder layers on this rank)
-    def parameters(self) -> list[torch.nn.Parameter]: ...
-    def optimizer(self, *, lr: float, weight_decay: float) -> torch.optim.Optimizer: ...
-    def data_parallel(self) -> RankGroup: ...
-    def train(self, mode: bool = True) -> None: ...
-    def check_compatible(self, manifest: Manifest) -> None: ...
-    def forward_backward(
-        self, microbatches: Sequence[Any], loss_fn: LossFn, *, forward_only: bool = False
-    ) -> list: ...
-    def finish_gradients(self) -> None: ...
-    def clip_gradients(self, max_norm: float) -> float: ...
-    def save(self, folder: Path) -> None: ...
-    def load_weights(self, folder: Path) -> None: ...  # a whole student's (not sharded)
-    def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None: ...
-    def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer | None) -> None: ...
-    def close(self) -> None: ...
-
+from mopd.train.backends.protocol import (
+    MODEL_DIR,
+    OPTIMIZER_FILE,
+    Backend,
+    LossFn,
+    StudentLayout,
+    student_dtype,
+)
 
 # Any of these means the checkpoint carries a tokenizer (a bare weights folder has none of them).
 TOKENIZER_MARKERS = ("tokenizer_config.json", "tokenizer.json", "vocab.json")
@@ -124,7 +95,7 @@ class HFStudent:
 
     holds_loss = True  # this rank runs the loss (and so needs the teacher heads)
     reports = True  # this rank's per-token statistics count toward the step's metrics
-    sharded_checkpoint = False  # the whole model: one weights file, one optimizer file
+    optimizer_shards = 1  # every replica holds the whole AdamW state
     tp_group = None
 
     def __init__(
@@ -143,7 +114,6 @@ class HFStudent:
         self.device = device
         # bf16 compute over fp32 weights (torch.autocast); the loss gets bf16 states and head.
         self.compute_dtype = torch.bfloat16 if mixed_precision else None
-        self.writes_checkpoint_shard = dp.rank == 0  # the replicas are identical: one writes
         self.checkpoint = Path(checkpoint)
         if not self.checkpoint.is_dir():
             raise ConfigError(f"train.student: {self.checkpoint} is not a checkpoint folder")
@@ -212,12 +182,16 @@ class HFStudent:
         return 0, vocab
 
     @property
-    def layout(self) -> dict[str, Any]:
+    def layout(self) -> StudentLayout:
         """What a checkpoint of this student must match to be resumed by it."""
-        return {"backend": "hf"}
+        return StudentLayout(backend="hf")
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def local_parameters(self) -> list[torch.Tensor]:
+        """Each parameter as this rank holds it: whole, on every replica."""
+        return list(self.parameters())
 
     def optimizer(self, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
         """AdamW over this rank's parameters (the whole student, or under fsdp this rank's shards)."""
@@ -306,6 +280,23 @@ class HFStudent:
     def close(self) -> None:
         """Nothing to release (the trainer owns the data-parallel group)."""
 
+    def save_state(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
+        """The whole student (`model/`, a transformers checkpoint) and its AdamW state, written by the
+        first replica (the replicas are identical). Every rank calls it."""
+        if self.dp.rank != 0:
+            return
+        with faults.io("write", folder / MODEL_DIR):
+            self.save(folder / MODEL_DIR)
+        with faults.io("write", folder / OPTIMIZER_FILE):
+            save_optimizer_file(folder / OPTIMIZER_FILE, optimizer)
+
+    def load_state(self, folder: Path, optimizer: torch.optim.Optimizer | None) -> None:
+        """`save_state`'s weights and, given an optimizer, its AdamW moments and step counts (the
+        hyper-parameters are the caller's to set)."""
+        self.load_weights(folder / MODEL_DIR)
+        if optimizer is not None:
+            load_optimizer_file(folder / OPTIMIZER_FILE, optimizer)
+
     def load_weights(self, folder: Path) -> None:
         """Loads weights saved by `save` (bit-exact; resuming continues from exactly these values)."""
         from safetensors.torch import load_file
@@ -342,3 +333,46 @@ class FinalStates(torch.nn.Module):
 def final_states(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, L, H] a transformers causal LM's backbone output, the input of its output layer."""
     return model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def save_optimizer_file(path: Path, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's per-parameter state as one safetensors file, keyed "<param position>.<name>"."""
+    from safetensors.torch import save_file
+
+    tensors = {
+        f"{position}.{name}": value.detach().contiguous().cpu()
+        for position, slots in optimizer.state_dict()["state"].items()
+        for name, value in slots.items()
+    }
+    save_file(tensors, str(path))
+
+
+def load_optimizer_file(path: Path, optimizer: torch.optim.Optimizer) -> None:
+    """`save_optimizer_file`'s state into `optimizer` (its own parameter groups kept)."""
+    from safetensors.torch import load_file
+
+    slots: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in load_file(str(path)).items():
+        position, name = key.split(".", 1)
+        slots.setdefault(int(position), {})[name] = value
+    optimizer.load_state_dict({"state": slots, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def open_student(tc: TrainConfig, device: torch.device, world: RankGroup, exits: ExitStack) -> HFStudent:
+    """The whole student on this rank, its data-parallel replicas the ranks of `world`."""
+    return HFStudent(
+        tc.student,
+        device=device,
+        dtype=student_dtype(tc),
+        dp=world,
+        mixed_precision=tc.mixed_precision == "bf16",
+        activation_checkpointing=tc.activation_checkpointing,
+    )
+
+
+def export_whole(checkpoint: Path, dtype: str, folder: Path) -> None:
+    """The checkpoint's `model/` is a transformers checkpoint already: copied."""
+    shutil.copytree(checkpoint / MODEL_DIR, folder, dirs_exist_ok=True)
+
+
+BACKEND = Backend(open_student=open_student, export_whole=export_whole)

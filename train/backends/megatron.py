@@ -10,21 +10,31 @@ as in the hf backend. Microbatches go through megatron-core's pipeline schedules
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mopd.base.errors import ConfigError
+from mopd.base import faults
+from mopd.base.errors import ConfigError, MopdError
+from mopd.config.train import TrainConfig
 from mopd.mcore.cpu_compat import megatron_device
 from mopd.mcore.model import load_stage, load_state, release_checkpoint_writer, stage_forward
 from mopd.mcore.parallel import ModelParallelGroup
 from mopd.store.format.manifest import Manifest
 from mopd.train.backends.groups import RankGroup
-from mopd.train.backends.hf import LossFn, check_tokenizer, load_student_tokenizer, save_tokenizer
-from mopd.train.checkpoint.state import parameter_groups, whole_optimizer_state
+from mopd.train.backends.hf import check_tokenizer, load_student_tokenizer, save_tokenizer
+from mopd.train.backends.protocol import (
+    MODEL_DIR,
+    SHARDED_STATE,
+    Backend,
+    LossFn,
+    StudentLayout,
+    parameter_groups,
+    student_dtype,
+)
 
 
 class MegatronStudent:
@@ -61,15 +71,13 @@ class MegatronStudent:
         self.replicas = _data_parallel(self.model, group.device)
         self.holds_loss = group.is_last_stage
         self.reports = group.is_last_stage and group.tp_rank == 0
-        self.writes_checkpoint_shard = True  # every rank takes part in the sharded save
-        self.sharded_checkpoint = True
         self.tokenizer = load_student_tokenizer(self.checkpoint)
 
     @property
-    def layout(self) -> dict[str, Any]:
+    def layout(self) -> StudentLayout:
         """What a checkpoint of this student must match to be resumed by it: not tp × pp (megatron-core's
         distributed checkpoint re-cuts the tensors for the layout that loads it)."""
-        return {"backend": "megatron", "format": DIST_CHECKPOINT}
+        return StudentLayout(backend="megatron", format=DIST_CHECKPOINT)
 
     @property
     def tp_group(self) -> Any:
@@ -113,6 +121,15 @@ class MegatronStudent:
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    def local_parameters(self) -> list[torch.Tensor]:
+        """This rank's stage and slice: its parameters are its own already."""
+        return list(self.parameters())
+
+    @property
+    def optimizer_shards(self) -> int:
+        """The data-parallel replicas, which share the AdamW moments (`optimizer`)."""
+        return self.group.dp_size
+
     def optimizer(self, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
         """AdamW over this rank's stage and slice; with data-parallel replicas, its state sharded over
         them (torch's ZeroRedundancyOptimizer: each replica steps its share of the parameters and
@@ -138,31 +155,38 @@ class MegatronStudent:
 
     def save(self, folder: Path) -> None:
         """The student's config and tokenizer files (the run's first rank): what `mopd export-hf` builds
-        the model from; the weights are in the checkpoint's sharded state (`save_sharded`)."""
+        the model from; the weights are in the checkpoint's sharded state."""
         if dist.get_rank() == 0:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "config.json").write_bytes((self.checkpoint / "config.json").read_bytes())
             save_tokenizer(self.tokenizer, folder)
 
-    def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
-        """The weights and AdamW state through megatron-core's `dist_checkpointing`: each tensor saved
-        by the first data-parallel replica of the ranks holding it, as a slice of the whole tensor (its
-        global shape and offset recorded), so that any tp × pp layout can load it. Every rank calls it."""
+    def save_state(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
+        """The config and tokenizer (`model/`), and the weights and AdamW state in `state/` through
+        megatron-core's `dist_checkpointing`: each tensor saved by the first data-parallel replica of the
+        ranks holding it, as a slice of the whole tensor (its global shape and offset recorded), so that
+        any tp × pp layout can load it. Every rank calls it."""
         from megatron.core import dist_checkpointing
 
-        state = self._sharded_state(optimizer, whole_optimizer_state(optimizer))
-        folder.mkdir(parents=True, exist_ok=True)
-        with megatron_device(self.group.device):
-            dist_checkpointing.save(state, str(folder))
-        release_checkpoint_writer()
+        with faults.io("write", folder / MODEL_DIR):
+            self.save(folder / MODEL_DIR)
+        with faults.io("write", folder / SHARDED_STATE):
+            state = self._sharded_state(optimizer, _whole_optimizer_state(optimizer))
+            (folder / SHARDED_STATE).mkdir(parents=True, exist_ok=True)
+            with megatron_device(self.group.device):
+                dist_checkpointing.save(state, str(folder / SHARDED_STATE))
+            release_checkpoint_writer()
+        faults.point("checkpoint-shards-written")
 
-    def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer | None) -> None:
-        """Loads `save_sharded`'s state into this rank's stage and slice (bit-exact, whatever layout saved
+    def load_state(self, folder: Path, optimizer: torch.optim.Optimizer | None) -> None:
+        """Loads `save_state`'s state into this rank's stage and slice (bit-exact, whatever layout saved
         it), and given an optimizer, its AdamW moments and step count (hyper-parameters: the caller's)."""
         from megatron.core import dist_checkpointing
 
         with megatron_device(self.group.device):
-            loaded = dist_checkpointing.load(self._sharded_state(optimizer, None), str(folder))
+            loaded = dist_checkpointing.load(
+                self._sharded_state(optimizer, None), str(folder / SHARDED_STATE)
+            )
         load_state(self.model, loaded["model"])
         if optimizer is None:
             return
@@ -322,3 +346,105 @@ def _data_parallel(model: torch.nn.Module, device: torch.device) -> Any:
 
     with megatron_device(device):
         return DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+
+
+def _whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """The optimizer's whole state dict. A ZeRO optimizer (state sharded over the data-parallel
+    replicas) gathers it on the group's first rank, the one that writes, and returns None elsewhere:
+    every rank of the group calls this."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if optimizer.rank == 0 else None
+    return optimizer.state_dict()
+
+
+def open_student(
+    tc: TrainConfig, device: torch.device, world: RankGroup, exits: ExitStack
+) -> MegatronStudent:
+    """This rank's stage and slice of the student; the model-parallel group of `train.parallel` joins
+    `exits`."""
+    group = exits.enter_context(ModelParallelGroup.start(tc.parallel, device, what="train.parallel"))
+    return MegatronStudent(
+        tc.student,
+        group=group,
+        dtype=student_dtype(tc),
+        mixed_precision=tc.mixed_precision == "bf16",
+        activation_checkpointing=tc.activation_checkpointing,
+    )
+
+
+def export_whole(checkpoint: Path, dtype: str, folder: Path) -> None:
+    """The whole student from megatron-core's distributed checkpoint, loaded into a one-rank GPTModel
+    (tp = pp = 1, megatron-core re-cutting the slices) whose weights mopd's conversion
+    (`mopd.mcore.convert.megatron_to_hf`, bit-exact, vocabulary padding dropped) turns into the student's
+    own architecture."""
+    from megatron.core import dist_checkpointing
+    from transformers import AutoConfig
+
+    from mopd.config.parallel import ParallelConfig
+    from mopd.mcore.convert import GPTShape, megatron_to_hf
+    from mopd.mcore.cpu_compat import install_cpu_rng_tracker
+    from mopd.mcore.model import gpt_model
+
+    shape = GPTShape.from_hf_config(AutoConfig.from_pretrained(checkpoint / MODEL_DIR))
+    cpu = torch.device("cpu")
+    with (
+        _world_of_one(),
+        ModelParallelGroup.start(ParallelConfig(), cpu, what="export-hf"),
+        megatron_device(cpu),
+    ):
+        install_cpu_rng_tracker()
+        model = gpt_model(shape, tp=1, pp=1, dtype=getattr(torch, dtype), pre_process=True, post_process=True)
+        sharded = {"model": model.sharded_state_dict()}
+        load_state(model, dist_checkpointing.load(sharded, str(checkpoint / SHARDED_STATE))["model"])
+        weights = {
+            k: v
+            for k, v in model.state_dict().items()
+            if isinstance(v, torch.Tensor) and not k.endswith("._extra_state")
+        }
+    _save_converted(
+        megatron_to_hf([[weights]], shape, layers_per_stage=[shape.num_layers]),
+        checkpoint / MODEL_DIR,
+        folder,
+    )
+
+
+@contextmanager
+def _world_of_one() -> Iterator[None]:
+    """A process group of this process alone (also inside torchrun's environment: the export runs on
+    one rank, after the run's own group is gone), unless one is already up."""
+    from mopd.mcore.parallel import start_process_group
+
+    owns = start_process_group(torch.device("cpu"), alone=True)
+    try:
+        yield
+    finally:
+        if owns:
+            dist.destroy_process_group()
+
+
+def _save_converted(state: dict, model_dir: Path, folder: Path) -> None:
+    """Converted HF weights as the student's own architecture (config and tokenizer from `model_dir`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mopd.mcore.convert import GPTShape
+
+    config = AutoConfig.from_pretrained(model_dir)
+    shape = GPTShape.from_hf_config(config)
+    dtype = next(iter(state.values())).dtype
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    missing_keys, unexpected = model.load_state_dict(state, strict=False)
+    untied = [k for k in missing_keys if not (shape.tied and k == "lm_head.weight")]
+    if untied or unexpected:
+        raise MopdError(
+            f"{model_dir}: joined weights do not fit {config.model_type} ({untied[:3]}, {unexpected[:3]})"
+        )
+    if shape.tied:
+        model.tie_weights()
+    model.save_pretrained(folder)
+    save_tokenizer(load_student_tokenizer(model_dir), folder)
+
+
+BACKEND = Backend(open_student=open_student, export_whole=export_whole)

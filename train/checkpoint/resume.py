@@ -18,6 +18,7 @@ from mopd.base.errors import CheckpointError, ConfigError, ManifestError
 from mopd.config.train import InitFromConfig
 from mopd.store.format.teachers import TeacherIdentity, diff_teacher_lists, read_teacher_list
 from mopd.train.backends.groups import RankGroup
+from mopd.train.backends.protocol import StudentLayout
 from mopd.train.checkpoint.run_record import diff_run_records
 from mopd.train.checkpoint.state import (
     CheckpointState,
@@ -36,7 +37,7 @@ class RunIdentity:
     store: Path | str  # the store's folder or URL, for messages
     teachers: list[TeacherIdentity]  # the store's teacher list
     run: dict[str, Any]  # the run record: the store's identity and every recorded setting
-    layout: dict[str, Any]  # the student's backend and tensor × pipeline layout
+    layout: StudentLayout  # the student's backend and checkpoint format
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def resume_checkpoint(
     return Checkpoint(latest, state)
 
 
-def init_checkpoint(init: InitFromConfig, *, layout: dict[str, Any], world: RankGroup) -> Checkpoint:
+def init_checkpoint(init: InitFromConfig, *, layout: StudentLayout, world: RankGroup) -> Checkpoint:
     """The checkpoint `train.init_from` names: a checkpoint folder, or a run folder's newest.
 
     Raises:
@@ -137,19 +138,11 @@ def check_files(folder: Path, world: RankGroup) -> None:
         raise CheckpointError(problem)
 
 
-def describe_layout(layout: dict[str, Any]) -> str:
-    if layout.get("backend") == "megatron" and "tp" in layout:  # per-slice files of an earlier mopd
-        return f"megatron tp={layout['tp']} × pp={layout['pp']} (per-slice files of an earlier mopd)"
-    if layout.get("backend") == "megatron":
-        return "megatron (any tp × pp)"
-    return str(layout.get("backend", "hf"))
-
-
-def check_layout(folder: Path, state: CheckpointState, layout: dict[str, Any], *, doing: str) -> None:
-    """Refuses a checkpoint written by a student of another backend or tensor × pipeline layout."""
+def check_layout(folder: Path, state: CheckpointState, layout: StudentLayout, *, doing: str) -> None:
+    """Refuses a checkpoint written by a student of another layout (`StudentLayout`)."""
     if state.layout != layout:
         raise ConfigError(
-            f"cannot {doing} {folder}: it was written by a {describe_layout(state.layout)} student, "
-            f"this run is {describe_layout(layout)} (train.backend, train.parallel); use the "
+            f"cannot {doing} {folder}: it was written by a {state.layout.describe()} student, "
+            f"this run is {layout.describe()} (train.backend, train.parallel); use the "
             "checkpoint's layout, or `mopd export-hf` it and start a new run from the exported student"
         )

@@ -39,7 +39,6 @@ from typing import Annotated, Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from safetensors.torch import load_file, save_file
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from mopd.base import faults
 from mopd.base.completion import COMPLETE, write_complete
@@ -48,11 +47,10 @@ from mopd.base.fsio import is_temporary, publish_dir, unique_temp_name, write_re
 from mopd.base.jsonio import describe_location, read_json
 from mopd.store.format.teachers import TeacherIdentity, write_teacher_list
 from mopd.train.backends.groups import RankGroup
-from mopd.train.backends.hf import TrainStudent
+from mopd.train.backends.protocol import MODEL_DIR, StudentLayout, TrainStudent, parameter_groups
 from mopd.train.data.order import LoaderState
 
 _NAME = re.compile(r"^step_(\d{8})$")
-SHARDED_STATE = "state"  # a sharded student's weights and AdamW state (torch.distributed.checkpoint)
 
 
 @dataclass(frozen=True)
@@ -83,40 +81,6 @@ def latest_checkpoint(path: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _optimizer_tensors(whole: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return {
-        f"{position}.{name}": value.detach().contiguous().cpu()
-        for position, slots in whole["state"].items()
-        for name, value in slots.items()
-    }
-
-
-def whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-    """The optimizer's whole state dict. A ZeRO optimizer (state sharded over the data-parallel
-    replicas) gathers it on the group's first rank, the one that writes, and returns None elsewhere:
-    every rank of the group calls this."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        optimizer.consolidate_state_dict(to=0)
-        return optimizer.state_dict() if optimizer.rank == 0 else None
-    return optimizer.state_dict()
-
-
-def parameter_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """The optimizer's groups as its state dict numbers them: hyper-parameters, and the positions of
-    the group's parameters in the optimizer's order (read without gathering a sharded state)."""
-    groups, start = [], 0
-    for group in optimizer.param_groups:
-        count = len(group["params"])
-        groups.append(
-            {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + count))}
-        )
-        start += count
-    return groups
-
-
-OPTIMIZER_FILE = "optimizer.safetensors"  # a whole student's AdamW state
-
-
 def save_checkpoint(
     root: Path,
     step: int,
@@ -133,8 +97,9 @@ def save_checkpoint(
 ) -> Path:
     """Writes and publishes the checkpoint of `step`, then drops complete ones older than the last `keep`.
 
-    Every rank of `world` calls it: the ranks that write a shard (`student.writes_checkpoint_shard`)
-    write it into the temporary folder rank 0 made, and rank 0 publishes once they all have. `run` is
+    Every rank of `world` calls it: the student's backend writes its weights and AdamW state into the
+    temporary folder rank 0 made (`TrainStudent.save_state`: one replica the whole, or every rank its
+    shards), and rank 0 writes the rest and publishes once they all have. `run` is
     the run record (`run_record.run_record`) a resume must match; `tracking` the tracker runs a resume
     appends to.
     """
@@ -144,24 +109,10 @@ def save_checkpoint(
     if world.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         made = unique_temp_name(final)
-        (made / "model").mkdir(parents=True)
+        (made / MODEL_DIR).mkdir(parents=True)
     temp = Path(world.broadcast_object(str(made)))
     try:
-        if student.sharded_checkpoint:
-            with faults.io("write", temp / "model"):
-                student.save(temp / "model")
-            with faults.io("write", temp / SHARDED_STATE):
-                student.save_sharded(temp / SHARDED_STATE, optimizer)
-            faults.point("checkpoint-shards-written")
-        else:
-            whole = whole_optimizer_state(optimizer)
-            if student.writes_checkpoint_shard:
-                assert whole is not None  # the writer is its replicas' first rank
-                with faults.io("write", temp / "model"):
-                    student.save(temp / "model")
-                optimizer_path = temp / OPTIMIZER_FILE
-                with faults.io("write", optimizer_path):
-                    save_file(_optimizer_tensors(whole), str(optimizer_path))
+        student.save_state(temp, optimizer)
         world.barrier()
         if world.rank == 0:
             _write_run_state(
@@ -189,7 +140,7 @@ def save_checkpoint(
 def _write_run_state(
     folder: Path,
     step: int,
-    layout: dict[str, Any],
+    layout: StudentLayout,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     loader: LoaderState,
@@ -208,7 +159,7 @@ def _write_run_state(
         "loader": loader.to_dict(),
         "param_groups": parameter_groups(optimizer),
         "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
-        "layout": layout,
+        "layout": layout.model_dump(exclude_none=True),
         "run": run,
         "tracking": tracking,
     }
@@ -260,7 +211,7 @@ class CheckpointState(BaseModel):
     loader: LoaderRecord
     param_groups: list[dict[str, Any]]
     scheduler: dict[str, Any]
-    layout: dict[str, Any] = {"backend": "hf"}  # the student's: backend, and tp and pp for megatron
+    layout: StudentLayout = StudentLayout()
     run: dict[str, Any] = {}  # the run record (`run_record.run_record`)
     tracking: dict[str, str] = {}  # tracker → the identity of its run (`tracking.Trackers`)
 
@@ -282,6 +233,13 @@ def read_state(folder: Path) -> CheckpointState:
         raw = read_json(path, what="checkpoint state", error=CheckpointError)
     except FileNotFoundError as err:
         raise CheckpointError(f"{path} is missing") from err
+    layout = raw.get("layout") if isinstance(raw, dict) else None
+    if isinstance(layout, dict) and "tp" in layout:
+        raise CheckpointError(
+            f"{folder} is a megatron checkpoint of one weights file per tensor-parallel slice and pipeline "
+            "stage (layout tp × pp), a format of mopd before 0.1.0 that this version does not read; train "
+            "that student again to get a checkpoint of this version"
+        )
     try:
         return CheckpointState.model_validate(raw)
     except ValidationError as err:
@@ -332,19 +290,7 @@ def load_weights(
     `hyper_parameters` also the checkpoint's learning rate and the rest (a resume), else the optimizer
     keeps its own (a new run started from the checkpoint)."""
     own = parameter_groups(optimizer) if optimizer is not None else []
-    if student.sharded_checkpoint:
-        student.load_sharded(folder / SHARDED_STATE, optimizer)
-    else:
-        student.load_weights(folder / "model")
-        if optimizer is not None:
-            tensors = load_file(str(folder / OPTIMIZER_FILE))
-            slots: dict[int, dict[str, torch.Tensor]] = {}
-            for key, value in tensors.items():
-                position, name = key.split(".", 1)
-                slots.setdefault(int(position), {})[name] = value
-            optimizer.load_state_dict(
-                {"state": slots, "param_groups": optimizer.state_dict()["param_groups"]}
-            )
+    student.load_state(folder, optimizer)
     if optimizer is None:
         return
     # Hyper-parameters from the run (a resume) or this run's own (a new run from the checkpoint).
