@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import click
@@ -12,10 +13,14 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from mopd.base.errors import MopdError
 from mopd.cli.arguments import STORE
 from mopd.config.mopd_config import load_config
+from mopd.store.format.manifest import read_manifest
+from mopd.store.locations.location import open_location
 from mopd.store.summary import summarise_store
 from mopd.store.verify import verify_store
+from mopd.train.checkpoint.verify import check_checkpoint
 
 
 @click.command("verify-manifest")
@@ -47,9 +52,10 @@ def verify_manifest_command(
         teachers=config.teachers if config else None,
         routing=config.routing.model_dump(mode="json") if config else None,
         encoding=config.store.encoding if config else None,
-        checkpoint=checkpoint,
         full=full,
     )
+    if checkpoint is not None:
+        problems += _checkpoint_problems(checkpoint, store, config.store.options if config else None)
     for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
     if as_json:
@@ -61,6 +67,16 @@ def verify_manifest_command(
         mode = "every byte hashed" if full else "sizes and shapes; --full hashes every byte"
         click.echo(f"ok: {store} is complete and consistent ({mode})")
     sys.exit(1 if problems else 0)
+
+
+def _checkpoint_problems(folder: Path, store: str, options: Mapping[str, str] | None) -> list[str]:
+    """The training checkpoint against the store (none when the store's manifest cannot be read: that
+    problem is the store's, reported already)."""
+    try:
+        manifest = read_manifest(open_location(store, options))
+    except MopdError:
+        return []
+    return check_checkpoint(folder, manifest)
 
 
 def format_size(num_bytes: float) -> str:

@@ -1,4 +1,5 @@
-"""`verify-manifest`: every way store, config and training checkpoint disagree, one line each.
+"""`verify-manifest`: every way store and config disagree, one line each (and a training checkpoint:
+`mopd.train.checkpoint.verify`).
 
 Never writes: it works on a read-only store. Quick mode checks that every recorded file exists with its
 recorded size, that arrays have the shapes and dtypes `layout.py` declares and (format 4) that each
@@ -17,10 +18,8 @@ from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mopd.base.completion import check_complete
 from mopd.base.errors import ConfigError, MopdError
 from mopd.base.fsio import LINK_REFUSED, safe_relative
-from mopd.base.jsonio import read_json
 from mopd.store.arrays.binding import Recorded
 from mopd.store.arrays.read import array_header, check_recorded_chunks
 from mopd.store.arrays.write import storage_dtype
@@ -41,12 +40,10 @@ from mopd.store.format.manifest import (
 from mopd.store.format.teachers import (
     TeacherSlot,
     assign_teacher_indices,
-    diff_teacher_lists,
-    read_teacher_list,
 )
 from mopd.store.locations.location import Location, open_location
-from mopd.store.locations.temporaries import describe as describe_temporary
-from mopd.store.locations.temporaries import temporaries
+from mopd.store.temporaries import describe as describe_temporary
+from mopd.store.temporaries import temporaries
 
 _Checked = tuple[list[str], list[tuple[str, str, str]], PartRecord | None]
 
@@ -346,13 +343,12 @@ def verify_store(
     teachers: Mapping[str, str] | None = None,
     routing: Mapping[str, Any] | None = None,
     encoding: str | None = None,
-    checkpoint: str | Path | None = None,
     full: bool = False,
     threads: int | None = None,
 ) -> tuple[list[str], list[str]]:
     """Checks a store (a folder or an object-storage URL, `options` its client's settings), and optionally
     a config's teachers (alias → checkpoint), routing (its `routing` section as a mapping) and
-    `store.encoding`, and a training checkpoint against it.
+    `store.encoding` against it (a training checkpoint: `mopd.train.checkpoint.verify`).
 
     Returns:
         (problems, warnings): each one line; the store is sound and agrees when `problems` is empty.
@@ -378,35 +374,4 @@ def verify_store(
             f"store.encoding: {manifest.storage.encoding!r} in the store, {encoding!r} in the config (a "
             "precompute with this config would refuse the store; training reads it as it is stored)"
         )
-    if checkpoint is not None:
-        problems += check_checkpoint(Path(checkpoint), manifest)
     return problems, warnings
-
-
-def _checkpoint_state(folder: Path) -> Any:
-    """A checkpoint's state.json as JSON (None: it has none), read without the trainer's modules."""
-    try:
-        return read_json(folder / "state.json", what="checkpoint state", error=MopdError)
-    except FileNotFoundError:
-        return None
-
-
-def check_checkpoint(folder: Path, manifest: Manifest) -> list[str]:
-    """A training checkpoint is complete and unchanged, and numbers the teachers as the store does."""
-    try:
-        problems = check_complete(folder)
-        recorded = read_teacher_list(folder)
-        state = _checkpoint_state(folder)
-    except MopdError as err:
-        return [str(err)]
-    run = state.get("run") if isinstance(state, dict) else None
-    # A checkpoint from before the encoding was recorded was trained on an exact store.
-    trained_on = run.get("store.encoding", "exact") if isinstance(run, dict) else "exact"
-    if trained_on != manifest.storage.encoding:
-        problems.append(
-            f"{folder} was trained on a store of encoding {trained_on!r}, this store's is "
-            f"{manifest.storage.encoding!r}: a resume on it is refused"
-        )
-    return problems + diff_teacher_lists(
-        manifest.teacher_list(), recorded, expected_name="store", found_name="checkpoint"
-    )

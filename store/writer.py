@@ -41,7 +41,7 @@ from mopd.store.format.manifest import (
     read_record,
 )
 from mopd.store.locations.location import Location, open_location
-from mopd.store.locations.temporaries import remove_stopped
+from mopd.store.temporaries import remove_stopped
 
 _GROUP_JSON = canonical_json({"attributes": {}, "node_type": "group", "zarr_format": 3})
 

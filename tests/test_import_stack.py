@@ -112,21 +112,62 @@ def test_store_and_train_are_divided_into_rooms() -> None:
             assert doc and len(doc) > 80, f"{layer}/{room}/__init__.py: say what lives there"
 
 
-def room_violations(kernel: Path) -> list[str]:
-    """Imports of the rest of mopd.train from modules of train/kernel/."""
-    return [
-        f"{path.relative_to(kernel.parent.parent)} imports {module}"
-        for path in sorted(kernel.rglob("*.py"))
-        for module in imported_modules(path)
-        if module.startswith("mopd.train.") and not module.startswith("mopd.train.kernel")
+# Each layer's rooms, lowest first: a room imports only rooms before it (the kernel, first, nothing else
+# of train/), never the top of its layer, which may import them all.
+ROOM_ORDER = {
+    "store": ("locations", "arrays", "format", "codec"),
+    "train": ("kernel", "data", "backends", "report", "checkpoint"),
+}
+
+
+def _room_of(root: Path, layer: str, module: str) -> str | None:
+    """The room of `layer` that `module` is in ("" for the layer's top), None outside the layer."""
+    parts = module.split(".")
+    if parts[:2] != ["mopd", layer]:
+        return None
+    return parts[2] if len(parts) > 2 and (root / layer / parts[2]).is_dir() else ""
+
+
+def room_violations(root: Path, layer: str) -> list[str]:
+    """Imports from a room of `layer` (under `root`) of a later room or of the layer's top."""
+    order = ROOM_ORDER[layer]
+    found = []
+    for index, room in enumerate(order):
+        for path in sorted((root / layer / room).rglob("*.py")):
+            for module in imported_modules(path):
+                target = _room_of(root, layer, module)
+                if target is not None and target != room and target not in order[:index]:
+                    found.append(f"{path.relative_to(root)} imports {module}")
+    return found
+
+
+def test_rooms_import_only_earlier_rooms() -> None:
+    assert room_violations(REPO, "store") == []
+    assert room_violations(REPO, "train") == []
+
+
+def test_a_back_import_between_rooms_is_caught(tmp_path: Path) -> None:
+    """The kernel importing the trainer's heads, the array reader the manifest, a report the top."""
+    for folder in ("train/kernel", "train/report", "store/arrays", "store/format"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "train/kernel/divergence.py").write_text("from mopd.train.heads import TeacherHeads\n")
+    (tmp_path / "train/report/memory.py").write_text(
+        "from mopd.train.kernel.gemm import x\nimport mopd.train.session\n"
+    )
+    (tmp_path / "store/arrays/read.py").write_text("from mopd.store.format.manifest import PARTS_DIR\n")
+    assert room_violations(tmp_path, "train") == [
+        "train/kernel/divergence.py imports mopd.train.heads",
+        "train/report/memory.py imports mopd.train.session",
     ]
+    assert room_violations(tmp_path, "store") == ["store/arrays/read.py imports mopd.store.format.manifest"]
 
 
-def test_the_kernel_imports_nothing_else_of_train(tmp_path: Path) -> None:
-    """The divergence kernel stands alone (its parity tests and benchmarks need nothing of the trainer),
-    and the check would see a module that broke that."""
-    assert room_violations(REPO / "train" / "kernel") == []
-    bad = tmp_path / "train" / "kernel"
-    bad.mkdir(parents=True)
-    (bad / "divergence.py").write_text("from mopd.train.heads import TeacherHeads\n")
-    assert room_violations(bad) == ["train/kernel/divergence.py imports mopd.train.heads"]
+def test_the_store_reads_nothing_of_the_checkpoint_format() -> None:
+    """A training checkpoint's state.json is train/checkpoint/'s to read (`verify-manifest --checkpoint`
+    calls it beside the store's checks)."""
+    readers = [
+        str(p.relative_to(REPO))
+        for p in sorted((REPO / "store").rglob("*.py"))
+        if "state.json" in p.read_text()
+    ]
+    assert readers == []

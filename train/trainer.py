@@ -205,7 +205,7 @@ class Trainer:
             layers=layers,
             vocab_rows=self.objective.local_rows if self.student.holds_loss else 0,
             chunk_size=self.objective.chunk_size,
-            heads=self.heads,
+            heads_bytes=self.heads.held_bytes,
             optimizer_shards=self.student.optimizer_shards,
         )
         return estimate.line(self.session.device)

@@ -14,9 +14,9 @@ from mopd.base.errors import CheckpointError
 from mopd.config.mopd_config import load_config
 from mopd.precompute.runner import run_precompute
 from mopd.store import open_store
-from mopd.store.format.manifest import INT8_ROTATED
-from mopd.store.verify import verify_store
+from mopd.store.format.manifest import INT8_ROTATED, read_manifest
 from mopd.train.checkpoint.state import complete_checkpoints
+from mopd.train.checkpoint.verify import check_checkpoint
 from mopd.train.trainer import run_training
 from tests.fault_trials import train_records
 from tests.train.world import World, world_config, write_train_config
@@ -72,9 +72,9 @@ def test_a_run_does_not_resume_or_verify_on_a_store_of_another_encoding(
     changed = re.escape("store.encoding: 'exact' in the checkpoint, 'int8-rotated' now")
     with pytest.raises(CheckpointError, match=changed):
         run_training(world_config(world, tmp_path, store=coded_store, **settings), log=lambda _line: None)
-    problems, _ = verify_store(coded_store, checkpoint=checkpoint)
+    problems = check_checkpoint(checkpoint, read_manifest(coded_store))
     assert problems == [
         f"{checkpoint} was trained on a store of encoding 'exact', this store's is 'int8-rotated': a resume "
         "on it is refused"
     ]
-    assert verify_store(world.store, checkpoint=checkpoint) == ([], [])
+    assert check_checkpoint(checkpoint, read_manifest(world.store)) == []

@@ -75,7 +75,7 @@ def test_the_memory_estimate_comes_before_step_1_and_adds_up(world: World, tmp_p
         layers=layers,
         vocab_rows=trainer.objective.local_rows,
         chunk_size=64,
-        heads=trainer.heads,
+        heads_bytes=trainer.heads.held_bytes,
     )
     estimate = estimate_peak(trainer.student.parameters(), tc=trainer.tc, **options)
     assert estimate.parts == {

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from mopd.config.train import TrainConfig
-from mopd.train.heads import TeacherHeads
 
 ACTIVATION_VALUES_PER_LAYER = 17  # × hidden size, per token (Korthikanti et al., 34·h bytes at 2 bytes)
 KERNEL_BUFFERS = 3  # a chunk's student logits, teacher logits and their gradient, fp32
@@ -45,27 +44,21 @@ def in_units(size: float) -> str:
     return f"{size / 2**30:.3g} GiB" if size >= 2**30 else f"{size / 2**20:.3g} MiB"
 
 
-def _local_bytes(parameter: torch.Tensor) -> int:
-    """Bytes of this rank's part of a parameter (its shard, for a DTensor)."""
-    local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
-    return local.numel() * local.element_size()
-
-
 def estimate_peak(
-    parameters: list[torch.nn.Parameter],
+    parameters: list[torch.Tensor],
     *,
     tc: TrainConfig,
     hidden_size: int,
     layers: int,
     vocab_rows: int,
     chunk_size: int,
-    heads: TeacherHeads,
+    heads_bytes: int,
     optimizer_shards: int = 1,
 ) -> MemoryEstimate:
-    """The estimate of the module docstring for a rank holding `parameters` (its shards) and `layers`
+    """The estimate of the module docstring for a rank holding `parameters` (its parts of them) and `layers`
     decoder layers of width `hidden_size`, whose loss spans `vocab_rows` of the vocabulary (0 on a
     pipeline stage without the loss); `optimizer_shards` ranks share its AdamW state (ZeRO)."""
-    weights = sum(_local_bytes(p) for p in parameters)
+    weights = sum(p.numel() * p.element_size() for p in parameters)
     compute_bytes = 2 if tc.mixed_precision == "bf16" or tc.dtype == "bfloat16" else 4
     tokens = tc.batch.micro_batch_tokens
     if tc.activation_checkpointing:
@@ -77,7 +70,7 @@ def estimate_peak(
             "weights": weights,
             "gradients": weights,
             "AdamW moments": 2 * weights // optimizer_shards,
-            "teacher heads": heads.held_bytes,
+            "teacher heads": heads_bytes,
             "activations": values * compute_bytes,
             "kernel": KERNEL_BUFFERS * min(chunk_size, tokens) * vocab_rows * 4 if vocab_rows else 0,
         }

@@ -1,0 +1,45 @@
+"""`verify-manifest --checkpoint`: a training checkpoint is complete and unchanged, and was trained on
+this store's teachers — read without torch (the command starts in a fraction of a second), from the
+checkpoint's marker, teacher list and state.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mopd.base.completion import check_complete
+from mopd.base.errors import MopdError
+from mopd.base.jsonio import read_json
+from mopd.store.format.manifest import Manifest
+from mopd.store.format.teachers import diff_teacher_lists, read_teacher_list
+
+
+def check_checkpoint(folder: Path, manifest: Manifest) -> list[str]:
+    """Every way the checkpoint in `folder` is damaged or disagrees with the store of `manifest`, one
+    line each: a file missing or changed since it was written, another store encoding, another teacher
+    numbering."""
+    try:
+        problems = check_complete(folder)
+        recorded = read_teacher_list(folder)
+        state = _state(folder)
+    except MopdError as err:
+        return [str(err)]
+    run = state.get("run") if isinstance(state, dict) else None
+    # A checkpoint from before the encoding was recorded was trained on an exact store.
+    trained_on = run.get("store.encoding", "exact") if isinstance(run, dict) else "exact"
+    if trained_on != manifest.storage.encoding:
+        problems.append(
+            f"{folder} was trained on a store of encoding {trained_on!r}, this store's is "
+            f"{manifest.storage.encoding!r}: a resume on it is refused"
+        )
+    return problems + diff_teacher_lists(
+        manifest.teacher_list(), recorded, expected_name="store", found_name="checkpoint"
+    )
+
+
+def _state(folder: Path) -> Any:
+    """The checkpoint's state.json as JSON (None: it has none)."""
+    try:
+        return read_json(folder / "state.json", what="checkpoint state", error=MopdError)
+    except FileNotFoundError:
+        return None
