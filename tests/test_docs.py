@@ -199,7 +199,7 @@ def test_the_docs_name_the_store_format_version_mopd_writes() -> None:
 
     found = {
         (path.name, int(n))
-        for path in [*DOCS, ROOT / "store" / "manifest.py"]
+        for path in [*DOCS, ROOT / "store" / "format" / "manifest.py"]
         for n in re.findall(r"format version (\d+)", path.read_text())
     }
     assert found and {version for _name, version in found} == {FORMAT_VERSION}, sorted(found)
