@@ -38,8 +38,7 @@ from mopd.store.locations.location import Location
 
 
 def _read_all(root: Location, folder: str, name: str, part: PartRecord, plan: Plan) -> np.ndarray:
-    # Finalize publishes this mopd's format only: with checksums, their list is written too.
-    recorded = Recorded.of(part.files, name, bound=plan.storage.checksum is not None)
+    recorded = Recorded.of(part.files, name)
     key = safe_relative(f"{folder}/{name}")
     return ArrayReader(root, key, label=key, recorded=recorded).read()
 

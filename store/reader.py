@@ -1,12 +1,9 @@
 """The public read API: `open_store(path) -> TeacherStore` (DESIGN §4). Readers trust only the manifest.
 
-Every read goes through `ArrayReader`, which refuses a missing, truncated, undecodable or (from format 2)
-bit-flipped chunk with an error naming the array and the chunk, and is given the array's files as its
-part record lists them (the record itself proved by the manifest's sha256 of it): a file copied in from
-elsewhere is refused (format 4: any such file; earlier formats: one of another size), and so is a
-symbolic link anywhere in the store. A format-1 store wrote no checksums and skipped all-zero chunks; its
-arrays are checked on opening against their part records (every recorded chunk file present, at its
-recorded size). `format_note` says what an earlier format leaves unchecked.
+Every read goes through `ArrayReader`, which refuses a missing, truncated, undecodable or bit-flipped
+chunk with an error naming the array and the chunk, and is given the array's files as its part record
+lists them (the record itself proved by the manifest's sha256 of it): a file copied in from elsewhere is
+refused, and so is a symbolic link anywhere in the store.
 """
 
 from __future__ import annotations
@@ -39,7 +36,6 @@ from mopd.store.format.layout import (
     TEACHER_INDEX,
 )
 from mopd.store.format.manifest import (
-    BOUND_FROM_VERSION,
     EncodingInfo,
     PartRecord,
     ShardArtifact,
@@ -52,16 +48,6 @@ from mopd.store.format.manifest import (
 from mopd.store.format.transform import LogitTransform
 from mopd.store.locations.location import Location, open_location, shared_pool
 from mopd.store.task_writers import read_encoding
-
-FORMAT_1_NOTE = (
-    "store format 1 has no per-chunk checksums: reads find missing and truncated chunk files, but a "
-    "changed byte only `mopd verify-manifest --full` finds; rebuild the store for checked reads"
-)
-UNBOUND_NOTE = (
-    "store format {version} does not list its chunks' checksums: a file of the same size copied in from "
-    "another store is found only by `mopd verify-manifest --full`; rebuild the store for bound reads"
-)
-
 
 # Arrays read at once by one call of `rows` or `hiddens`: a step's shards are read concurrently, so that
 # a store in a bucket costs a step about one round trip per array, not one per shard in turn.
@@ -104,15 +90,6 @@ class TeacherStore:
         self._offsets = rows.read().astype(np.int64)
         self._teachers = {t.index: t for t in self.manifest.teachers}
 
-    @property
-    def format_note(self) -> str | None:
-        """What this store's format leaves unchecked at read time (None: every chunk is verified and bound
-        to its recorded file)."""
-        version = self.manifest.format_version
-        if self.manifest.storage.checksum is None:
-            return FORMAT_1_NOTE
-        return UNBOUND_NOTE.format(version=version) if version < BOUND_FROM_VERSION else None
-
     @functools.lru_cache(maxsize=256)  # noqa: B019 - the store lives as long as its arrays
     def _array(self, folder: str, name: str = "") -> ArrayReader:
         label = safe_relative(f"{folder}/{name}".rstrip("/"))
@@ -120,17 +97,8 @@ class TeacherStore:
             raise StoreIntegrityError(
                 f"{self.location.describe(label)} is listed in the manifest but missing; run verify-manifest"
             )
-        legacy = self.manifest.storage.checksum is None
-        if legacy:
-            self._check_recorded_files(folder, name)
-        recorded = self._recorded(folder, name)
-        return ArrayReader(self.location, label, label=label, fill_missing=legacy, recorded=recorded)
-
-    def _recorded(self, folder: str, name: str) -> Recorded | None:
-        """What the part record of the task folder says of its array `name`."""
-        storage = self.manifest.storage
-        bound = self.manifest.format_version >= BOUND_FROM_VERSION and storage.checksum is not None
-        return Recorded.of(self._part(folder).files, name, bound=bound)
+        recorded = Recorded.of(self._part(folder).files, name)
+        return ArrayReader(self.location, label, label=label, recorded=recorded)
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - as `_array` (a few KiB each)
     def _part(self, folder: str) -> PartRecord:
@@ -146,22 +114,7 @@ class TeacherStore:
             raise StoreIntegrityError(
                 f"{path} is not the part record the manifest lists (its sha256 differs); run verify-manifest"
             )
-        return parse_part(data, path, format_version=self.manifest.format_version)
-
-    def _check_recorded_files(self, folder: str, name: str) -> None:
-        """Format 1: every chunk file the part record lists for this array exists at its recorded size."""
-        for rel, (size, _digest) in self._part(folder).files.items():
-            if name and not rel.startswith(f"{name}/"):
-                continue
-            key = safe_relative(f"{folder}/{rel}")
-            stat = self.location.stat(key, key, missing_ok=True)
-            found = None if stat is None else stat.size
-            if found != size:
-                state = "missing" if found is None else f"{found} bytes, recorded {size} (truncated?)"
-                raise StoreIntegrityError(
-                    f"{folder}/{rel}: {state}; the store is damaged (`mopd verify-manifest --full` lists "
-                    "every damaged file)"
-                )
+        return parse_part(data, path)
 
     @property
     def num_rows(self) -> int:

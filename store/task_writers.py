@@ -125,7 +125,7 @@ def read_encoding(location: Location, folder: str, part: PartRecord) -> tuple[En
     arrays = []
     for name in (MEAN, SIGNS, MIX):
         key = safe_relative(f"{folder}/{name}")
-        recorded = Recorded.of(part.files, name, bound=True)
+        recorded = Recorded.of(part.files, name)
         arrays.append(ArrayReader(location, key, label=key, recorded=recorded).read())
     return Encoding.of(*arrays), info
 

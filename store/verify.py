@@ -2,7 +2,7 @@
 `mopd.train.checkpoint.verify`).
 
 Never writes: it works on a read-only store. Quick mode checks that every recorded file exists with its
-recorded size, that arrays have the shapes and dtypes `layout.py` declares and (format 4) that each
+recorded size, that arrays have the shapes and dtypes `layout.py` declares and that each
 array's shard index and every chunk's checksum are the ones its part record lists — a file copied in from
 another store is found whatever its size, without decoding a chunk; `full=True` also re-hashes every
 byte (on parallel threads).
@@ -23,10 +23,9 @@ from mopd.base.fsio import LINK_REFUSED, safe_relative
 from mopd.store.arrays.binding import Recorded
 from mopd.store.arrays.read import array_header, check_recorded_chunks
 from mopd.store.arrays.write import storage_dtype
-from mopd.store.format.fingerprint import fingerprint_for_format
+from mopd.store.format.fingerprint import checkpoint_fingerprint
 from mopd.store.format.layout import artifact_arrays
 from mopd.store.format.manifest import (
-    BOUND_FROM_VERSION,
     ArtifactRecord,
     Manifest,
     PartRecord,
@@ -69,7 +68,7 @@ def _check_artifact(location: Location, manifest: Manifest, artifact: ArtifactRe
     if hashlib.sha256(data).hexdigest() != artifact.part_sha256:
         return [f"{where}: part record changed since the manifest was written"], [], None
     try:
-        part = parse_part(data, part_path, format_version=manifest.format_version)
+        part = parse_part(data, part_path)
     except MopdError as err:
         return [str(err)], [], None
     if artifact_hash(part.files) != artifact.hash:
@@ -181,10 +180,9 @@ def _check_block(
 ) -> tuple[list[str], list[tuple[str, str, str]]]:
     problems: list[str] = []
     to_hash: list[tuple[str, str, str]] = []
-    bound = manifest.format_version >= BOUND_FROM_VERSION
     for artifact in artifacts:
         found, files, part = _check_artifact(root, manifest, artifact)
-        found += _check_arrays(root, manifest, artifact, part if bound and not found else None)
+        found += _check_arrays(root, manifest, artifact, part if not found else None)
         problems += found
         to_hash += files
     return problems, to_hash
@@ -194,7 +192,7 @@ def _check_arrays(
     root: Location, manifest: Manifest, artifact: ArtifactRecord, part: PartRecord | None
 ) -> list[str]:
     """Each array of a task folder has the shape and dtype `layout.py` declares; given its part record
-    (format 4), its zarr.json, shard index and chunk checksums are the recorded ones, read without
+    its zarr.json, shard index and chunk checksums are the recorded ones, read without
     decoding a chunk."""
     problems = []
     for array in artifact_arrays(artifact, manifest):
@@ -212,18 +210,16 @@ def _check_arrays(
             problems.append(f"{where}: dtype {dtype}, the layout says {array.dtype}")
         elif part is not None and array.dtype != "string":  # a string column: zarr-python's own layout
             try:
-                recorded = Recorded.of(part.files, array.name, bound=True)
+                recorded = Recorded.of(part.files, array.name)
                 check_recorded_chunks(root, where, where, recorded, header)
             except MopdError as err:
                 problems.append(str(err))
     return problems
 
 
-def _config_fingerprints(
-    teachers: Mapping[str, str], format_version: int
-) -> tuple[dict[str, str | None], list[str]]:
+def _config_fingerprints(teachers: Mapping[str, str]) -> tuple[dict[str, str | None], list[str]]:
     """The fingerprint of each configured checkpoint that is reachable here (None elsewhere), as the
-    store's format defines fingerprints; plus warnings."""
+    store records them; plus warnings."""
     found: dict[str, str | None] = {}
     warnings = []
     for slot in assign_teacher_indices(teachers):
@@ -232,7 +228,7 @@ def _config_fingerprints(
             warnings.append(f"checkpoint {slot.checkpoint} is not reachable here; compared by path only")
             continue
         try:
-            found[slot.checkpoint] = fingerprint_for_format(slot.checkpoint, format_version)
+            found[slot.checkpoint] = checkpoint_fingerprint(slot.checkpoint)
         except ConfigError as err:
             warnings.append(f"cannot fingerprint {slot.checkpoint}: {err}")
     return found, warnings
@@ -245,7 +241,7 @@ def check_config(manifest: Manifest, teachers: Mapping[str, str]) -> tuple[list[
     Returns:
         (problems, warnings).
     """
-    fingerprints, warnings = _config_fingerprints(teachers, manifest.format_version)
+    fingerprints, warnings = _config_fingerprints(teachers)
     slots = assign_teacher_indices(teachers)
     stored = {t.index: t for t in manifest.teachers}
 

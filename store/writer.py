@@ -251,11 +251,6 @@ class StoreWriter:
 
 def _describe_plan_mismatch(root: str, existing: Plan, new: Plan) -> str:
     differences = []
-    if existing.format_version != new.format_version:
-        differences.append(
-            f"store format version {existing.format_version} vs {new.format_version} of this mopd: finish "
-            "that store with the mopd that started it"
-        )
     if existing.dataset != new.dataset:
         differences.append(
             f"dataset {existing.dataset.source} ({existing.dataset.num_rows} rows) vs "

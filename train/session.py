@@ -140,8 +140,6 @@ def open_session(config: MopdConfig, *, store_path: str | Path | None = None, lo
             f"store {store.root}: {store.num_rows:,} rows, {manifest.dataset.num_tokens:,} tokens, "
             f"{len(manifest.teachers)} teachers"
         )
-        if store.format_note:
-            log(f"note: {store.format_note}")
         log(f"loading student {tc.student} ({tc.backend}, {tc.dtype}) on {device}")
         student = entry.open_student(tc, device, world, exits)
         exits.callback(student.close)

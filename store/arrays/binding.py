@@ -3,7 +3,7 @@
 A chunk's crc32c proves only that the chunk is self-consistent: a same-shape file copied in from another
 store passes it. What binds a file to its place is its part record (itself proved by the manifest's
 sha256 of it), which lists every file of a task folder with its size and sha256. Hashing a shard at
-every open would cost a second read of the store, so format 4 writes beside each shard `CRC_FILE`, the
+every open would cost a second read of the store, so mopd writes beside each shard `CRC_FILE`, the
 crc32c of each of its inner chunks and then of its shard index: a small file whose size and sha256 the
 part record holds. A reader compares each chunk's 4-byte trailer, which it holds anyway, with the listed
 one (`read.ArrayReader`); `verify-manifest` compares all of them without decoding a chunk.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from mopd.base.errors import StoreIntegrityError
 
-# Format 4: beside an array's shard, the crc32c of each inner chunk and then of the shard index, each 4
+# Beside an array's shard, the crc32c of each inner chunk and then of the shard index, each 4
 # bytes little endian, in the order of the index.
 CRC_FILE = "chunks.crc32c"
 COPIED = "a file copied from elsewhere, or changed; `mopd verify-manifest` lists every such file"
@@ -26,18 +26,17 @@ COPIED = "a file copied from elsewhere, or changed; `mopd verify-manifest` lists
 @dataclass(frozen=True)
 class Recorded:
     """What the store's part record says of one array: its files (path inside the array's folder →
-    size, sha256), and whether it lists every inner chunk's crc32c in `CRC_FILE` (format 4)."""
+    size, sha256), `CRC_FILE` among them."""
 
     files: Mapping[str, tuple[int, str]]
-    bound: bool
 
     @classmethod
-    def of(cls, files: Mapping[str, tuple[int, str]], name: str, *, bound: bool) -> Recorded:
+    def of(cls, files: Mapping[str, tuple[int, str]], name: str) -> Recorded:
         """The files of array `name` ('': the task folder is the array) among a part record's."""
         if not name:
-            return cls(files, bound)
+            return cls(files)
         prefix = f"{name}/"
-        return cls({k[len(prefix) :]: v for k, v in files.items() if k.startswith(prefix)}, bound)
+        return cls({k[len(prefix) :]: v for k, v in files.items() if k.startswith(prefix)})
 
     def check(self, rel: str, data: bytes, where: str) -> None:
         """`data`, the bytes of the array's file `rel`, are the ones the part record lists.

@@ -3,19 +3,19 @@
 Every array mopd writes is a zarr v3 array of one shape: a regular grid along the first axis, the
 default chunk key encoding (`c/<i>/0/…`), and chunks encoded bytes (little endian) → blosc (optional)
 → crc32c. Format 3 puts them as inner chunks into one shard file per array (`sharding_indexed`, index
-at the end, itself bytes → crc32c); formats 1 and 2 wrote one file per chunk. Reading the files directly
+at the end, itself bytes → crc32c); an array of one file per chunk, the layout before shards, is read
+too (`bench/scale.py` measures against it). Reading the files directly
 instead of through a general zarr library pays off twice. The crc32c runs on the CPU's own instruction
 (google-crc32c, ~25 GB/s here); tensorstore's portable wheel computes it in software, which cost 20–30%
 of the read time (`bench/store_io.py`). And a decoded chunk is kept in a small LRU cache, so the rows
 inside one chunk decode it once, not once each.
 
 A chunk or shard index that is missing, of the wrong size, fails its checksum or does not decode is a
-`StoreIntegrityError` naming the array, the chunk and the file: nothing is ever filled in, except the
-all-zero chunks that format 1 did not write (`fill_missing`).
+`StoreIntegrityError` naming the array, the chunk and the file: nothing is ever filled in.
 
 Given the array's part record (`binding.Recorded`), a reader also proves that what it decodes is the file
-the store recorded: its `zarr.json` has the recorded sha256, its shard the recorded size and (format 4)
-every chunk the checksum listed beside the shard (see `binding.py`). A read of a shard's inner chunks is
+the store recorded: its `zarr.json` has the recorded sha256, its shard the recorded size and every
+chunk the checksum listed beside the shard (see `binding.py`). A read of a shard's inner chunks is
 one `Location.read_ranges`: one request on a bucket where they lie close together.
 """
 
@@ -64,9 +64,8 @@ class _Layout:
     dtype: np.dtype
     blosc: bool
     checksum: bool
-    fill_value: Any
     logical_dtype: str
-    chunks_per_shard: int | None  # None: one file per chunk (formats 1 and 2)
+    chunks_per_shard: int | None  # None: one file per chunk
 
 
 def chunk_name(index: int, ndim: int) -> str:
@@ -220,7 +219,6 @@ def _layout(location: Location, key: str, label: str, recorded: Recorded | None)
         dtype=dtype,
         blosc=compressed,
         checksum=checksum,
-        fill_value=meta.get("fill_value", 0),
         logical_dtype=str(attrs.get("logical_dtype", dtype.name)),
         chunks_per_shard=chunks_per_shard,
     )
@@ -283,8 +281,6 @@ class ArrayReader:
         location: the store (or, for a lone array, its folder).
         key: the array's folder inside it.
         label: how messages name it (its path inside the store).
-        fill_missing: take an absent chunk as all fill value. Only for format-1 arrays, which skipped
-            all-zero chunks; their readers check the chunk files against the part records instead.
         recorded: the array's files as its part record lists them; every file read is then proved to be
             the recorded one (see the module's docstring).
     """
@@ -295,7 +291,6 @@ class ArrayReader:
         key: str = "",
         *,
         label: str,
-        fill_missing: bool = False,
         recorded: Recorded | None = None,
     ) -> None:
         self.location = open_location(location)
@@ -303,11 +298,10 @@ class ArrayReader:
         self.label = label
         self._recorded = recorded
         self._layout = _layout(self.location, key, label, recorded)
-        self._fill_missing = fill_missing
         self.shape = self._layout.shape
         self.logical_dtype = self._layout.logical_dtype
         self._chunk_rows = self._layout.chunk_shape[0]
-        self._crcs: np.ndarray | None = None  # format 4: each inner chunk's crc32c, then the index's
+        self._crcs: np.ndarray | None = None  # each inner chunk's crc32c, then the index's
         self._shard_found: Found | None = None  # a bucket's shard as first seen: reads must find it so
 
     def _decode(self, index: int, data: bytes, where: str) -> np.ndarray:
@@ -333,10 +327,11 @@ class ArrayReader:
             raise StoreIntegrityError(f"{where} holds {payload.nbytes} bytes, a chunk {chunk.nbytes}")
         return chunk
 
-    def _file_stat(self, name: str, where: str, *, missing_ok: bool = False) -> Found | None:
+    def _file_stat(self, name: str, where: str) -> Found:
         """The chunk or shard file `name` of this array (`Location.stat`), at its recorded size."""
-        found = self.location.stat(join(self.key, name), where, missing_ok=missing_ok)
-        if found is not None and self._recorded is not None:
+        found = self.location.stat(join(self.key, name), where)
+        assert found is not None  # a missing file raises
+        if self._recorded is not None:
             self._recorded.check_size(name, found.size, where)
         return found
 
@@ -385,12 +380,11 @@ class ArrayReader:
         return [chunk for chunk in out if chunk is not None]
 
     def _file_chunk(self, index: int) -> np.ndarray:
-        """Chunk `index` of an array of one file per chunk (formats 1 and 2)."""
+        """Chunk `index` of an array of one file per chunk (the layout before shards, which
+        `bench/scale.py` measures against)."""
         name = chunk_name(index, len(self.shape))
         where = self._where(name, index)
-        found = self._file_stat(name, where, missing_ok=self._fill_missing)
-        if found is None:
-            return np.full(self._layout.chunk_shape, self._layout.fill_value, dtype=self._layout.dtype)
+        found = self._file_stat(name, where)
         key = (self.location.url, self.key, index, *found.identity)
         chunk = _CACHE.get(key)
         if chunk is None:
@@ -407,14 +401,13 @@ class ArrayReader:
         found = self._shard_found
         if found is None or not self.location.remote:
             found = self._file_stat(name, where)
-            assert found is not None
             if self.location.remote:
                 self._shard_found = found
         key = (self.location.url, self.key, *found.identity)
         entries = _INDEXES.get(key)
         per_shard = self._layout.chunks_per_shard
         assert per_shard is not None
-        if self._recorded is not None and self._recorded.bound and self._crcs is None:
+        if self._recorded is not None and self._crcs is None:
             self._crcs = self._chunk_crcs(per_shard)
         if entries is None:
             index_bytes = 16 * per_shard + 4

@@ -14,9 +14,7 @@ bf16 is stored as uint16 bit patterns with the attribute `logical_dtype: "bfloat
 zarr-python has no bfloat16 dtype (bit-exact round trip).
 
 Reads never invent data: every inner chunk is written, zeros too, and a missing, truncated, undecodable
-or bit-flipped chunk is a `StoreIntegrityError` naming the array and the chunk. (Format 2 wrote one file
-per chunk, format 1 skipped all-zero chunks and carried no checksums; both are still read, see
-`read.py` and `store/reader.py`.)
+or bit-flipped chunk is a `StoreIntegrityError` naming the array and the chunk.
 """
 
 from __future__ import annotations

@@ -8,9 +8,6 @@ byte-identical copy at another path is the same teacher, and a changed tensor an
 one. It is read from the files, never through a model load, so it does not depend on the dtype a backend
 computes in. Each file is hashed once per process (`_file_sha256` caches by path, size and mtime), on
 parallel threads: sha256 releases the GIL on large buffers.
-
-Format-1 stores recorded a narrower fingerprint (config, vocabulary and LM-head bytes only, which let a
-teacher with changed body weights pass); `head_fingerprint` computes it to check such stores.
 """
 
 from __future__ import annotations
@@ -184,27 +181,3 @@ def checkpoint_fingerprint(checkpoint: str | Path, *, threads: int | None = None
     for rel, file_hash in zip(files, hashes, strict=True):
         digest.update(b"file\0" + _canonical([rel, file_hash]))
     return digest.hexdigest()
-
-
-def head_fingerprint(checkpoint: str | Path) -> str:
-    """The format-1 fingerprint: sha256 of the checkpoint's config, tokenizer vocabulary and LM-head bytes.
-
-    Raises:
-        ConfigError: a file is missing or unreadable (the message names it).
-    """
-    folder = Path(checkpoint)
-    if not folder.is_dir():
-        raise ConfigError(f"checkpoint {folder} is not a folder")
-    config = {k: v for k, v in _read_json(folder / "config.json").items() if k not in _VOLATILE_CONFIG_KEYS}
-    digest = hashlib.sha256()
-    digest.update(b"config\0" + _canonical(config))
-    digest.update(b"vocab\0" + vocab_hash(folder).encode())
-    name = lm_head_tensor_name(folder)
-    digest.update(b"lm_head\0")
-    _hash_tensor_bytes(digest, _safetensors_files(folder)[name], name)
-    return digest.hexdigest()
-
-
-def fingerprint_for_format(checkpoint: str | Path, format_version: int) -> str:
-    """The fingerprint a store of `format_version` records for this checkpoint."""
-    return head_fingerprint(checkpoint) if format_version == 1 else checkpoint_fingerprint(checkpoint)

@@ -9,15 +9,12 @@ computed the same bytes (time, host) live under `volatile` and are excluded from
 
 A task comes in four kinds, each its own type (`RowsTask`, `HeadTask`, `ShardTask`, and in an
 int8-rotated store `EncodingTask`): a head, a shard and an encoding always know their teacher, so nothing
-downstream guesses one. Version 2 adds per-chunk crc32c
-checksums to every array and writes every chunk, so a read can tell a missing chunk from a zero one;
-a fingerprint covers every byte of a teacher that decides its outputs. Version 3 keeps the records of
-version 2 and changes only the arrays' layout (one shard file per array of small inner chunks,
-`arrays/write.py`): `storage.chunk_bytes` is then the inner chunk's size. Version 4 keeps that layout and adds
-beside each shard the list of its chunks' checksums (`arrays.read.CRC_FILE`), which binds every chunk a reader
-decodes to the file the part record names. Version 1 records are upgraded on reading (`format_version`
-keeps saying 1, so readers know which guarantees hold). An int8-rotated store (`storage.encoding`)
-requires the feature `int8-rotated` of its readers; an exact store's records are unchanged.
+downstream guesses one. Every array is one shard file of small inner chunks (`arrays/write.py`;
+`storage.chunk_bytes` is the inner chunk's size), each with its crc32c, and beside each shard the list of
+its chunks' checksums (`arrays.binding.CRC_FILE`) binds every chunk a reader decodes to the file the part
+record names; a fingerprint covers every byte of a teacher that decides its outputs. An int8-rotated
+store (`storage.encoding`) requires the feature `int8-rotated` of its readers. Stores of the formats
+before version 4 (1–3, written before mopd 0.1.0) are refused in one line that says to rebuild them.
 """
 
 from __future__ import annotations
@@ -41,14 +38,11 @@ from pydantic import (
 from mopd.base.errors import ManifestError, StoreIncompleteError
 from mopd.base.jsonio import MAX_RECORD_BYTES, describe_location, parse_json
 from mopd.store.arrays.binding import Recorded
-from mopd.store.format.legacy import upgrade_v1_manifest, upgrade_v1_part, upgrade_v1_plan
 from mopd.store.format.teachers import TeacherIdentity
 from mopd.store.locations.location import Location, open_location
 
 FORMAT = "mopd-teacher-store"
 FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
-BOUND_FROM_VERSION = 4  # from this version on, every chunk read is bound to its recorded file
 # `storage.encoding`: hidden states as computed, or 8-bit codes (`codec/int8_rotated.py`); a store of the
 # latter requires the feature of that name of its readers.
 EXACT, INT8_ROTATED = "exact", "int8-rotated"
@@ -166,8 +160,7 @@ class StorageInfo(_Record):
     hidden_dtype: Literal["bfloat16", "float32"]
     codec: Literal["shuffle-zstd1", "none"]
     chunk_bytes: Annotated[StrictInt, Field(gt=0)]
-    # Per-chunk checksum of every array (version 2); None in version-1 stores.
-    checksum: Literal["crc32c"] | None = "crc32c"
+    checksum: Literal["crc32c"] = "crc32c"  # of every inner chunk
     # How hidden states are stored: `exact` in `hidden_dtype`, or 8-bit codes (`codec/int8_rotated.py`).
     encoding: Literal["exact", "int8-rotated"] = "exact"
 
@@ -308,13 +301,16 @@ def check_format(raw: Any, path: str | Path) -> int:
         found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
         raise ManifestError(f"{path}: format is {found!r}, expected {FORMAT!r}; this is not a mopd store")
     version = raw.get("format_version")
-    if isinstance(version, bool) or not isinstance(version, int) or version not in READABLE_VERSIONS:
-        newer = isinstance(version, int) and version > FORMAT_VERSION
-        fix = "upgrade mopd" if newer else "re-create the store with this mopd"
-        readable = ", ".join(map(str, READABLE_VERSIONS))
+    if isinstance(version, bool) or not isinstance(version, int) or version != FORMAT_VERSION:
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            raise ManifestError(
+                f"{path}: format_version {version} is newer than this mopd (reads {FORMAT_VERSION}); "
+                "upgrade mopd"
+            )
         raise ManifestError(
-            f"{path}: format_version {version} is {'newer than' if newer else 'not read by'} this mopd "
-            f"(reads {readable}); {fix}"
+            f"{path}: format_version {version} is a store format this mopd does not read (it reads "
+            f"{FORMAT_VERSION}; versions 1-3 were written before mopd 0.1.0); rebuild the store with "
+            "`mopd precompute`"
         )
     features = raw.get("required_features", [])
     if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
@@ -345,7 +341,7 @@ REBUILD_MANIFEST = (
 
 
 def parse_manifest(data: bytes, path: str | Path) -> Manifest:
-    """Validates the bytes of `manifest.json` (a version-1 manifest is upgraded in memory).
+    """Validates the bytes of `manifest.json`.
 
     Raises:
         ManifestError: they do not parse, have an unsupported format or version, or miss fields.
@@ -354,8 +350,7 @@ def parse_manifest(data: bytes, path: str | Path) -> Manifest:
         raw = parse_json(data, what=f"manifest {path}", error=ManifestError)
     except ManifestError as err:
         raise ManifestError(f"{err}; {REBUILD_MANIFEST}") from err
-    if check_format(raw, path) == 1:
-        raw = upgrade_v1_manifest(raw)
+    check_format(raw, path)
     try:
         manifest: Manifest = _validate(Manifest, raw, path, "manifest")
     except ManifestError as err:
@@ -384,16 +379,13 @@ def read_calibration(location: Location, folder: str, part: PartRecord) -> Encod
 
 def parse_plan(data: bytes, path: str | Path) -> Plan:
     raw = parse_json(data, what=f"plan {path}", error=ManifestError)
-    if check_format(raw, path) == 1:
-        raw = upgrade_v1_plan(raw)
+    check_format(raw, path)
     plan: Plan = _validate(Plan, raw, path, "plan")
     return plan
 
 
-def parse_part(data: bytes, path: str | Path, *, format_version: int = FORMAT_VERSION) -> PartRecord:
+def parse_part(data: bytes, path: str | Path) -> PartRecord:
     raw = parse_json(data, what=f"part record {path}", error=ManifestError)
-    if format_version == 1:
-        raw = upgrade_v1_part(raw)
     part: PartRecord = _validate(PartRecord, raw, path, "part record")
     return part
 
@@ -429,13 +421,11 @@ def load_plan(store: Location | str | Path) -> Plan:
     return parse_plan(read_record(location, PLAN_FILE, "plan"), location.describe(PLAN_FILE))
 
 
-def load_part(
-    store: Location | str | Path, task_id: str, *, format_version: int = FORMAT_VERSION
-) -> PartRecord:
+def load_part(store: Location | str | Path, task_id: str) -> PartRecord:
     location = open_location(store)
     key = part_key(task_id)
     data = read_record(location, key, "part record")
-    return parse_part(data, location.describe(key), format_version=format_version)
+    return parse_part(data, location.describe(key))
 
 
 def task_progress(location: Location) -> tuple[int, int]:

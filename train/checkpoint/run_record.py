@@ -64,13 +64,6 @@ def _flatten(prefix: str, section: BaseModel, out: dict[str, Any]) -> None:
             out[f"{prefix}.{name}"] = TypeAdapter(Any).dump_python(value, mode="json")
 
 
-# Recorded by earlier versions, no longer compared: the data order and the loss do not depend on the
-# number of data-parallel ranks (`data/order.py`), so a run resumes on another rank count.
-NO_LONGER_COMPARED = frozenset({"data_parallel_size"})
-# Recorded from a later version on: what a checkpoint that lacks them was trained with.
-RECORDED_LATER = {"store.encoding": "exact"}
-
-
 def run_record(tc: TrainConfig, manifest: Manifest) -> dict[str, Any]:
     """The fields a resume must find unchanged, as dotted names → JSON values."""
     fields: dict[str, Any] = {}
@@ -85,8 +78,8 @@ def run_record(tc: TrainConfig, manifest: Manifest) -> dict[str, Any]:
 def diff_run_records(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """One line per field whose value differs: `name: A in the checkpoint, B now`."""
     lines = []
-    for name in sorted((set(recorded) | set(current)) - NO_LONGER_COMPARED):
-        old = recorded.get(name, RECORDED_LATER.get(name, "(not recorded)"))
+    for name in sorted(set(recorded) | set(current)):
+        old = recorded.get(name, "(not recorded)")
         new = current.get(name, "(not set)")
         if old != new:
             lines.append(f"{name}: {_show(old)} in the checkpoint, {_show(new)} now")

@@ -25,8 +25,7 @@ def check_checkpoint(folder: Path, manifest: Manifest) -> list[str]:
     except MopdError as err:
         return [str(err)]
     run = state.get("run") if isinstance(state, dict) else None
-    # A checkpoint from before the encoding was recorded was trained on an exact store.
-    trained_on = run.get("store.encoding", "exact") if isinstance(run, dict) else "exact"
+    trained_on = run.get("store.encoding", "(not recorded)") if isinstance(run, dict) else "(not recorded)"
     if trained_on != manifest.storage.encoding:
         problems.append(
             f"{folder} was trained on a store of encoding {trained_on!r}, this store's is "
