@@ -39,7 +39,15 @@ from mopd.store.arrays.binding import Recorded
 from mopd.store.arrays.read import clear_cache
 from mopd.store.arrays.write import storage_dtype
 from mopd.store.format.layout import plan_tasks, shard_rows
-from mopd.store.format.manifest import DatasetInfo, Plan, ShardTask, StorageInfo, TeacherInfo, TokenizerInfo
+from mopd.store.format.manifest import (
+    DatasetInfo,
+    Plan,
+    ShardTask,
+    StorageInfo,
+    StoreSettings,
+    TeacherInfo,
+    TokenizerInfo,
+)
 from mopd.store.reader import TeacherStore
 from mopd.store.task_writers import HiddenShardWriter, write_lm_head, write_rows
 from mopd.store.writer import StoreWriter
@@ -106,7 +114,7 @@ def store_write(
             chunk_bytes=CHUNK_BYTES,
             checksum="crc32c" if checksum else None,
         ),
-        config={},
+        config=StoreSettings(),
     )
     writer = StoreWriter.open(root, plan)
     offsets = np.concatenate([[0], np.cumsum(lengths)])

@@ -32,13 +32,16 @@ from mopd.store.codec.int8_rotated import CALIBRATION_TOKENS, Calibration
 from mopd.store.format.layout import plan_tasks, shard_rows
 from mopd.store.format.manifest import (
     DatasetInfo,
+    DataSettings,
     EncodingTask,
     HeadTask,
     Manifest,
     Plan,
+    PrecomputeSettings,
     RowsTask,
     ShardTask,
     StorageInfo,
+    StoreSettings,
     TeacherInfo,
     TokenizerInfo,
 )
@@ -119,19 +122,19 @@ def build_plan(
             chunk_bytes=CHUNK_BYTES,
             encoding=config.store.encoding,
         ),
-        config={
-            "data": {
-                "max_length": config.data.max_length,
-                "overlong": config.data.overlong,
-                "input_format": rows.input_format,
-            },
-            "routing": config.routing.model_dump(mode="json"),
-            "precompute": {
-                "rows_per_task": config.precompute.rows_per_task,
-                "compute_dtype": compute_dtype,
-                "trust_remote_code": config.precompute.trust_remote_code,
-            },
-        },
+        config=StoreSettings(
+            data=DataSettings(
+                max_length=config.data.max_length,
+                overlong=config.data.overlong,
+                input_format=rows.input_format,
+            ),
+            routing=config.routing.model_dump(mode="json"),
+            precompute=PrecomputeSettings(
+                rows_per_task=config.precompute.rows_per_task,
+                compute_dtype=compute_dtype,
+                trust_remote_code=config.precompute.trust_remote_code,
+            ),
+        ),
         created_with=config.model_dump(mode="json", exclude_defaults=True),
     )
 
@@ -310,12 +313,14 @@ def open_output(store: Location, plan: Plan, hidden_dtype: str, ranks: JobRanks)
     return NoOutput()
 
 
-def describe_share(store: str, plan: Plan, share: Share, rows: TokenizedRows, output: Output) -> str:
+def describe_share(
+    store: str, plan: Plan, share: Share, rows: TokenizedRows, output: Output, max_length: int
+) -> str:
     removed = len(output.removed)
     return (
         f"store {store}: {len(plan.tasks)} tasks, {len(share.selected)} for this job ({len(share.skipped)} "
         f"already done); {rows.num_rows} rows, {int(rows.lengths.sum())} tokens, {rows.num_truncated} "
-        f"truncated and {rows.num_dropped} dropped at data.max_length {plan.config['data']['max_length']}"
+        f"truncated and {rows.num_dropped} dropped at data.max_length {max_length}"
         + (f"; removed {removed} temporaries of stopped jobs" if removed else "")
     )
 
@@ -458,7 +463,7 @@ def run_precompute(
         share = job_share(plan, output, ranks, num_tasks, task_index)
         if output.writes:
             publish_ingest_records(location, cache)
-            log(describe_share(location.url, plan, share, rows, output))
+            log(describe_share(location.url, plan, share, rows, output, config.data.max_length))
 
         progress = show_progress and output.writes
         tokens_per_s = run_tasks(output, share.todo, teachers, rows, settings, backend, ranks, progress, log)

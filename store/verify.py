@@ -297,7 +297,7 @@ def check_routing(manifest: Manifest, routing: Mapping[str, Any], teachers: Mapp
     Returns:
         One line per difference, naming the config key and both values.
     """
-    stored = manifest.config.get("routing")
+    stored = manifest.config.routing
     if stored is None:
         return []
     sides = (

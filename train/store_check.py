@@ -30,7 +30,7 @@ def store_differences(config: MopdConfig, manifest: Manifest) -> tuple[list[str]
 
 def data_differences(config: MopdConfig, manifest: Manifest, root: Location) -> list[str]:
     """Each data setting of the config that differs from those the store was built with."""
-    data, recorded = config.data, manifest.config.get("data", {})
+    data, recorded = config.data, manifest.config.data
     found = []
     if manifest.dataset.source != data.path:
         found.append(f"data.path: {manifest.dataset.source!r} in the store, {data.path!r} in the config")
@@ -38,9 +38,10 @@ def data_differences(config: MopdConfig, manifest: Manifest, root: Location) -> 
         source = recorded_source(root, manifest.dataset.fingerprint)
         if source is not None and not same_source(Path(data.path), source):
             found.append(f"data.path: {data.path} has changed since the store was built from it")
-    for key in ("max_length", "overlong"):
-        if key in recorded and recorded[key] != getattr(data, key):
-            found.append(f"data.{key}: {recorded[key]!r} in the store, {getattr(data, key)!r} in the config")
+    for key in ("max_length", "overlong") if recorded is not None else ():
+        stored, configured = getattr(recorded, key), getattr(data, key)
+        if stored != configured:
+            found.append(f"data.{key}: {stored!r} in the store, {configured!r} in the config")
     return found
 
 

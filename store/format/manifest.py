@@ -29,6 +29,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    StrictBool,
     StrictFloat,
     StrictInt,
     ValidationError,
@@ -180,6 +181,34 @@ class EncodingInfo(_Record):
     top1_agreement: StrictFloat
 
 
+class DataSettings(_Record):
+    """How the dataset was tokenised into the store's rows."""
+
+    max_length: StrictInt
+    overlong: str
+    input_format: str
+
+
+class PrecomputeSettings(_Record):
+    """How the teachers ran."""
+
+    rows_per_task: Count
+    compute_dtype: str
+    trust_remote_code: StrictBool
+
+
+class StoreSettings(_Record):
+    """The settings of the job that created the store that decide its rows and bytes (the plan's
+    `config`). A synthetic store (tests, benchmarks) records none of them."""
+
+    OMITTED_AT_DEFAULT = ("data", "routing", "precompute")
+
+    data: DataSettings | None = None
+    # The config's `routing` section as JSON (the store does not import the config's models).
+    routing: dict[str, Any] | None = None
+    precompute: PrecomputeSettings | None = None
+
+
 class Plan(_Record):
     format: Literal["mopd-teacher-store"] = "mopd-teacher-store"
     format_version: Count = FORMAT_VERSION
@@ -188,7 +217,7 @@ class Plan(_Record):
     teachers: list[TeacherInfo]
     tasks: list[TaskSpec]
     storage: StorageInfo
-    config: dict[str, Any]
+    config: StoreSettings
     # The whole config of the job that created the store, command-line overrides included (its settings
     # that differ from their defaults): what it ran with. Not part of the identity: jobs may differ here.
     created_with: dict[str, Any] = {}
@@ -262,7 +291,7 @@ class Manifest(_Record):
     lm_heads: list[HeadArtifact]
     shards: list[ShardArtifact]
     encodings: list[EncodingArtifact] = []  # int8-rotated stores: one per teacher with rows
-    config: dict[str, Any]
+    config: StoreSettings
     volatile: dict[str, Any] = {}
 
     def teacher_list(self) -> list[TeacherIdentity]:

@@ -26,6 +26,7 @@ from mopd.store.format.manifest import (
     Plan,
     RowsTask,
     StorageInfo,
+    StoreSettings,
     TeacherInfo,
     TokenizerInfo,
 )
@@ -130,7 +131,7 @@ def build_plan(spec: StoreSpec) -> tuple[Plan, np.ndarray, dict[int, int]]:
         ],
         tasks=plan_tasks(teacher_index, num_teachers=len(slots), rows_per_task=spec.rows_per_task),
         storage=StorageInfo(hidden_dtype=spec.dtype, codec=spec.codec, chunk_bytes=spec.chunk_bytes),
-        config={"rows_per_task": spec.rows_per_task},
+        config=StoreSettings(),
     )
     return plan, teacher_index, hidden_sizes
 
