@@ -64,7 +64,7 @@ def quickstart_config(size: Size, backend: str = "hf", report_to: tuple[str, ...
         "precompute": {"batch_tokens": 4096, "rows_per_task": 64},
         "train": {
             "student": f"models/{STUDENT}",
-            **({"backend": backend} if backend != "hf" else {}),
+            "backend": backend,
             "steps": size.steps,
             "optim": {"lr": 3.0e-3, "warmup_steps": 5},
             "batch": {"micro_batch_tokens": 2048, "global_batch_tokens": size.global_batch_tokens},

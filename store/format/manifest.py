@@ -402,7 +402,7 @@ def read_calibration(location: Location, folder: str, part: PartRecord) -> Encod
     """
     key = f"{folder}/{CALIBRATION_FILE}"
     data = read_record(location, key, "calibration record")
-    Recorded(part.files, bound=True).check(CALIBRATION_FILE, data, location.describe(key))
+    Recorded(part.files).check(CALIBRATION_FILE, data, location.describe(key))
     return parse_calibration(data, location.describe(key))
 
 

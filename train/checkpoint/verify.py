@@ -25,8 +25,8 @@ def check_checkpoint(folder: Path, manifest: Manifest) -> list[str]:
     except MopdError as err:
         return [str(err)]
     run = state.get("run") if isinstance(state, dict) else None
-    trained_on = run.get("store.encoding", "(not recorded)") if isinstance(run, dict) else "(not recorded)"
-    if trained_on != manifest.storage.encoding:
+    trained_on = run.get("store.encoding", "(not recorded)") if isinstance(run, dict) else None
+    if trained_on is not None and trained_on != manifest.storage.encoding:  # a run record to compare
         problems.append(
             f"{folder} was trained on a store of encoding {trained_on!r}, this store's is "
             f"{manifest.storage.encoding!r}: a resume on it is refused"
