@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -138,7 +138,9 @@ class FSDPStudent(HFStudent):
 
     def local_parameters(self) -> list[torch.Tensor]:
         """Each parameter's shard on this rank (a DTensor's local part)."""
-        return [p.to_local() for p in self.parameters()]  # DTensors
+        from torch.distributed.tensor import DTensor
+
+        return [cast(DTensor, p).to_local() for p in self.parameters()]
 
     def whole_head(self) -> torch.Tensor:
         """The output layer's whole weight, gathered (a no-op while it already is)."""
