@@ -196,8 +196,10 @@ class JobRanks(Protocol):
     @property
     def is_lead(self) -> bool: ...  # the rank that writes the job's store
 
-    dp_size: int  # the world's jobs (model-parallel groups), each one job of the split
-    dp_rank: int
+    @property
+    def dp_size(self) -> int: ...  # the world's jobs (model-parallel groups), each one job of the split
+    @property
+    def dp_rank(self) -> int: ...
 
     def share(self, items: list[Any]) -> list[Any]: ...  # the lead's list, on every rank
     def wait_for_world(self) -> None: ...  # returns once every job of the world is done
