@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
@@ -434,6 +435,19 @@ def probed_location(where: str | Path, options: dict[str, str]) -> Location:
     return location
 
 
+@contextmanager
+def hub_offline() -> Iterator[None]:
+    """`HF_HUB_OFFLINE=1` for a job (mopd never downloads at run time, and the vLLM engine processes it
+    starts inherit the setting); the caller's environment as it was afterwards."""
+    before = os.environ.get("HF_HUB_OFFLINE")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+
+
 def run_precompute(
     config: MopdConfig,
     *,
@@ -449,26 +463,28 @@ def run_precompute(
     Raises ConfigError (bad config, data or checkpoints), ManifestError (the store path holds another
     run's store) or StoreIntegrityError (non-finite teacher outputs, a published task changed).
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # mopd never downloads at run time
-    settings = config.precompute.with_backend(backend)
-    backend = settings.backend
-    check_device(settings.device, key="precompute.device")
-    location = probed_location(store_path or config.store.path, config.store.options)
-    teachers = resolve_teachers(config.teachers, config.tokenizer)
-    cache = ingest_cache(location)
-    rows = ingest_rows(config, teachers, cache, show_progress=show_progress, log=log)
-    plan = build_plan(config, teachers, rows, backend, compute_dtype(settings))
+    with hub_offline():
+        settings = config.precompute.with_backend(backend)
+        backend = settings.backend
+        check_device(settings.device, key="precompute.device")
+        location = probed_location(store_path or config.store.path, config.store.options)
+        teachers = resolve_teachers(config.teachers, config.tokenizer)
+        cache = ingest_cache(location)
+        rows = ingest_rows(config, teachers, cache, show_progress=show_progress, log=log)
+        plan = build_plan(config, teachers, rows, backend, compute_dtype(settings))
 
-    ranks, num_tasks, task_index = start_job(backend, settings, num_tasks, task_index)
-    with ranks:  # a megatron job's model-parallel state ends with the job, however it ends
-        output = open_output(location, plan, config.store.dtype, ranks)
-        share = job_share(plan, output, ranks, num_tasks, task_index)
-        if output.writes:
-            publish_ingest_records(location, cache)
-            log(describe_share(location.url, plan, share, rows, output, config.data.max_length))
+        ranks, num_tasks, task_index = start_job(backend, settings, num_tasks, task_index)
+        with ranks:  # a megatron job's model-parallel state ends with the job, however it ends
+            output = open_output(location, plan, config.store.dtype, ranks)
+            share = job_share(plan, output, ranks, num_tasks, task_index)
+            if output.writes:
+                publish_ingest_records(location, cache)
+                log(describe_share(location.url, plan, share, rows, output, config.data.max_length))
 
-        progress = show_progress and output.writes
-        tokens_per_s = run_tasks(output, share.todo, teachers, rows, settings, backend, ranks, progress, log)
-        manifest = output.finalize()
-        ranks.wait_for_world()  # every rank returns once its world's stores are written, the manifest too
-    return precompute_result(location.url, plan, share, rows, manifest, tokens_per_s, output)
+            progress = show_progress and output.writes
+            tokens_per_s = run_tasks(
+                output, share.todo, teachers, rows, settings, backend, ranks, progress, log
+            )
+            manifest = output.finalize()
+            ranks.wait_for_world()  # every rank returns once its world's stores are written, the manifest too
+        return precompute_result(location.url, plan, share, rows, manifest, tokens_per_s, output)

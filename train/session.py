@@ -133,6 +133,9 @@ def open_session(config: MopdConfig, *, store_path: str | Path | None = None, lo
         entry = backend(tc.backend)
         world = exits.enter_context(RankGroup.from_environment(device, always=entry.needs_process_group))
         log = log if world.rank == 0 else _silent
+        # torch's global generator, seeded for the run: what the student's own forward draws (dropout)
+        # comes from it, and a checkpoint saves and restores it (`checkpoint.state`), so the process's
+        # generator is the run's. The data order has its own (`data.order`).
         torch.manual_seed(tc.seed)
         store = open_store(store_path or config.store.path, config.store.options)
         manifest = store.manifest
