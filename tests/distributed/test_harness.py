@@ -82,8 +82,11 @@ def test_results_come_back_in_rank_order() -> None:
 
 
 def _speaks(rank: int, world_size: int) -> bool:
-    print(f"rank {rank} on stdout", flush=True)
-    print(f"rank {rank} on stderr", file=sys.stderr, flush=True)
+    # Each line in one write: print() writes its text and its end separately, so two ranks' lines could
+    # interleave on the shared output ("rank 1 on stdoutrank 0 on stdout").
+    for stream, name in ((sys.stdout, "stdout"), (sys.stderr, "stderr")):
+        stream.write(f"rank {rank} on {name}\n")
+        stream.flush()
     return os.getpgrp() == os.getpid()
 
 
