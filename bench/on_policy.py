@@ -107,7 +107,12 @@ def off_policy(config: Any, on_tokens: int, log: Any) -> dict[str, Any]:
     export_hf(result.output, Path(rounds.student(1)))
     record = rounds.evaluate(1, run=result.output)
     assert record is not None
-    return {**record, "steps": steps, "trained_tokens": trained_tokens(result.output), "train_s": seconds}
+    return {
+        **record.model_dump(),
+        "steps": steps,
+        "trained_tokens": trained_tokens(result.output),
+        "train_s": seconds,
+    }
 
 
 def main() -> None:

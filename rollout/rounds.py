@@ -19,14 +19,15 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mopd.base.errors import ConfigError, ManifestError
 from mopd.base.fsio import write_replace, write_replace_with
+from mopd.base.jsonio import describe_location, read_json
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.rollout import RoundsConfig
 from mopd.config.train import InitFromConfig, TrainConfig
@@ -51,6 +52,38 @@ LOG_FILE = "rounds.jsonl"
 PLOT_FILE = "heldout.png"
 VERIFIED_FILE = "verified.json"
 TRACKING_FILE = "tracking.json"  # the tracker runs the rounds report to, kept for a rerun
+
+
+class RoundRecord(BaseModel):
+    """A round's held-out evaluation: its `heldout/eval.json`, and a line of `rounds.jsonl`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    round: int
+    student: str
+    heldout_divergence: float
+    heldout_by_teacher: dict[str, float]
+    heldout_tokens: int
+    steps: int
+    sampling_temperature: float | None
+    loss_temperature: float
+
+
+def read_round_record(path: Path) -> RoundRecord:
+    """A round's `eval.json`, refused in one line naming it when it is not a round record.
+
+    Raises:
+        ConfigError: it does not parse as one.
+    """
+    raw = read_json(path, what="round record", error=ConfigError)
+    try:
+        return RoundRecord.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise ConfigError(
+            f"{path}: not a round record ({describe_location(first['loc'])}: {first['msg']}); delete it "
+            "to evaluate the round again"
+        ) from err
 
 
 class Rounds:
@@ -195,14 +228,14 @@ class Rounds:
         if not Path(self.student(r)).exists():
             export_hf(run, Path(self.student(r)))
 
-    def evaluate(self, r: int, *, run: Path | None) -> dict[str, Any] | None:
+    def evaluate(self, r: int, *, run: Path | None) -> RoundRecord | None:
         """Round r's student on its own samples of the held-out prompts: divergence per teacher."""
         if self.rounds.heldout_prompts is None:
             return None
         folder = self.folder(r) / "heldout"
         record_path = folder / "eval.json"
         if record_path.exists():
-            return dict(json.loads(record_path.read_text()))
+            return read_round_record(record_path)
         folder.mkdir(parents=True, exist_ok=True)
         samples = folder / "samples.parquet"
         self.sample(r, samples, prompts=self.rounds.heldout_prompts, student=self.student(r))
@@ -213,20 +246,20 @@ class Rounds:
         evaluated = evaluate_student(config, store_path=folder / "store.zarr", log=self.log)
         if self.trackers is not None:
             self.trackers.log({**evaluated, "split": "rounds", "step": r})
-        record = {
-            "round": r,
-            "student": self.student(r),
-            "heldout_divergence": evaluated["divergence"],
-            "heldout_by_teacher": by_name(evaluated["divergence_by_teacher"], self.names),
-            "heldout_tokens": evaluated["trained_tokens"],
-            "steps": r * self.rounds.steps_per_round,
-            "sampling_temperature": self.config.rollout.temperature if self.config.rollout else None,
-            "loss_temperature": self.train.divergence.temperature,
-        }
-        write_replace(record_path, json.dumps(record, sort_keys=True).encode())
+        record = RoundRecord(
+            round=r,
+            student=self.student(r),
+            heldout_divergence=evaluated["divergence"],
+            heldout_by_teacher=by_name(evaluated["divergence_by_teacher"], self.names),
+            heldout_tokens=evaluated["trained_tokens"],
+            steps=r * self.rounds.steps_per_round,
+            sampling_temperature=self.config.rollout.temperature if self.config.rollout else None,
+            loss_temperature=self.train.divergence.temperature,
+        )
+        write_replace(record_path, json.dumps(record.model_dump(), sort_keys=True).encode())
         self.log(
-            f"round {r}: held-out divergence {record['heldout_divergence']:.4g} on its own samples ("
-            + ", ".join(f"{a} {v:.4g}" for a, v in record["heldout_by_teacher"].items())
+            f"round {r}: held-out divergence {record.heldout_divergence:.4g} on its own samples ("
+            + ", ".join(f"{a} {v:.4g}" for a, v in record.heldout_by_teacher.items())
             + ")"
         )
         return record
@@ -247,8 +280,8 @@ class Rounds:
         write_replace(path, json.dumps(self.trackers.identities(), sort_keys=True).encode())
         return self.trackers
 
-    def report(self, records: list[dict[str, Any]]) -> None:
-        lines = "".join(json.dumps(record, sort_keys=True) + "\n" for record in records)
+    def report(self, records: list[RoundRecord]) -> None:
+        lines = "".join(json.dumps(record.model_dump(), sort_keys=True) + "\n" for record in records)
         write_replace(self.workdir / LOG_FILE, lines.encode())
         plot_rounds(records, self.workdir / PLOT_FILE)
 
@@ -273,7 +306,7 @@ class Rounds:
         return run
 
 
-def plot_rounds(records: list[dict[str, Any]], out: Path) -> Path:
+def plot_rounds(records: list[RoundRecord], out: Path) -> Path:
     """Held-out divergence per teacher against the round."""
     import matplotlib
 
@@ -282,11 +315,9 @@ def plot_rounds(records: list[dict[str, Any]], out: Path) -> Path:
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for teacher in sorted({t for r in records for t in r["heldout_by_teacher"]}):
+    for teacher in sorted({t for r in records for t in r.heldout_by_teacher}):
         points = [
-            (r["round"], r["heldout_by_teacher"][teacher])
-            for r in records
-            if teacher in r["heldout_by_teacher"]
+            (r.round, r.heldout_by_teacher[teacher]) for r in records if teacher in r.heldout_by_teacher
         ]
         ax.plot(*zip(*points, strict=True), "o-", label=teacher)
     ax.set(
