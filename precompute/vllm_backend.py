@@ -141,6 +141,64 @@ def allocate_stage_inputs(llm: Any) -> None:
     llm.collective_rpc("execute_dummy_batch")
 
 
+def check_platform(requested: str, device: torch.device) -> None:
+    """Refuses a device the installed vLLM does not run on (a CUDA build asked for the CPU, or back)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != device.type:
+        raise ConfigError(
+            f"precompute.device {requested!r} means {device.type}, but the installed vLLM runs on "
+            f"{current_platform.device_type or 'no supported device'}; set precompute.device to "
+            f"{current_platform.device_type!r} or {INSTALL_HINT}"
+        )
+
+
+def start_engine(
+    checkpoint: str,
+    *,
+    dtype: torch.dtype,
+    on_cpu: bool,
+    max_model_len: int,
+    batch_tokens: int,
+    tp: int,
+    pp: int,
+    trust_remote_code: bool,
+) -> Any:
+    """vLLM's engine for `checkpoint` as a pooling model returning every token's final hidden state: a
+    step of at most `batch_tokens` (or one longest row), a KV cache for two such steps, no prefix cache.
+
+    Raises:
+        ConfigError: vLLM cannot run the checkpoint that way.
+    """
+    vllm = import_vllm()
+    from vllm.config import PoolerConfig
+
+    step_tokens = max(batch_tokens, max_model_len)
+    try:
+        return vllm.LLM(
+            model=checkpoint,
+            runner="pooling",
+            pooler_config=PoolerConfig(task="token_embed", pooling_type="ALL", use_activation=False),
+            dtype=str(dtype).removeprefix("torch."),
+            max_model_len=max_model_len,
+            max_num_batched_tokens=step_tokens,
+            kv_cache_memory_bytes=kv_cache_bytes(
+                checkpoint,
+                dtype=dtype,
+                tokens=2 * step_tokens + max_model_len,
+                trust_remote_code=trust_remote_code,
+            ),
+            enable_prefix_caching=False,
+            enforce_eager=on_cpu,  # no graphs to capture for a CPU prefill
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            trust_remote_code=trust_remote_code,
+            seed=0,
+        )
+    except (ValueError, RuntimeError, OSError) as err:
+        raise ConfigError(f"teacher {checkpoint}: vLLM cannot run it as a pooling model ({err})") from err
+
+
 class VLLMTeacher:
     """A teacher under vLLM's pooling runner that turns batches of token rows into final hidden states."""
 
@@ -159,51 +217,27 @@ class VLLMTeacher:
         pp: int = 1,
         log: Any = print,
     ) -> None:
-        vllm = import_vllm()
-        from vllm.config import PoolerConfig
-        from vllm.platforms import current_platform
-
         self.checkpoint = checkpoint
         self.device = resolve_device(device)
-        if current_platform.device_type != self.device.type:
-            raise ConfigError(
-                f"precompute.device {device!r} means {self.device.type}, but the installed vLLM runs on "
-                f"{current_platform.device_type or 'no supported device'}; set precompute.device to "
-                f"{current_platform.device_type!r} or {INSTALL_HINT}"
-            )
+        check_platform(device, self.device)
         self.dtype = resolve_dtype(dtype, self.device)
         devices, start_env = engine_devices(self.device, tp, pp)
         log(f"teacher {checkpoint}: {devices}")
-        dtype_name = str(self.dtype).removeprefix("torch.")
         self._reference = output_layer_only(checkpoint, dtype=self.dtype, trust_remote_code=trust_remote_code)
         self.transform = self._reference.transform
         self.hidden_size = self._reference.hidden_size
         self.vocab_size = self._reference.vocab_size
-        step_tokens = max(batch_tokens, max_model_len)
-        try:
-            with environment(start_env):
-                self._llm = vllm.LLM(
-                    model=checkpoint,
-                    runner="pooling",
-                    pooler_config=PoolerConfig(task="token_embed", pooling_type="ALL", use_activation=False),
-                    dtype=dtype_name,
-                    max_model_len=max_model_len,
-                    max_num_batched_tokens=step_tokens,
-                    kv_cache_memory_bytes=kv_cache_bytes(
-                        checkpoint,
-                        dtype=self.dtype,
-                        tokens=2 * step_tokens + max_model_len,
-                        trust_remote_code=trust_remote_code,
-                    ),
-                    enable_prefix_caching=False,
-                    enforce_eager=self.device.type == "cpu",  # no graphs to capture for a CPU prefill
-                    tensor_parallel_size=tp,
-                    pipeline_parallel_size=pp,
-                    trust_remote_code=trust_remote_code,
-                    seed=0,
-                )
-        except (ValueError, RuntimeError, OSError) as err:
-            raise ConfigError(f"teacher {checkpoint}: vLLM cannot run it as a pooling model ({err})") from err
+        with environment(start_env):
+            self._llm = start_engine(
+                checkpoint,
+                dtype=self.dtype,
+                on_cpu=self.device.type == "cpu",
+                max_model_len=max_model_len,
+                batch_tokens=batch_tokens,
+                tp=tp,
+                pp=pp,
+                trust_remote_code=trust_remote_code,
+            )
         if pp > 1 and self.device.type == "cpu":
             allocate_stage_inputs(self._llm)
 

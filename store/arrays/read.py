@@ -164,39 +164,13 @@ def _parse_header(data: bytes) -> tuple[tuple[int, ...], str]:
 def _layout(location: Location, key: str, label: str, recorded: Recorded | None) -> _Layout:
     """The array's layout from its zarr.json (the recorded one, if given), refusing any layout mopd does
     not write."""
-    try:
-        data = _header_bytes(location, key, label)
-    except FileNotFoundError:
-        raise StoreIntegrityError(f"{label}: the array's zarr.json is missing") from None
-    if recorded is not None:  # the bytes the writer wrote (their sha256 is recorded): a plain parse
-        recorded.check("zarr.json", data, f"{label}/zarr.json")
-        meta = json.loads(data)
-    else:
-        meta = parse_json(data, what=f"{label}/zarr.json", error=StoreIntegrityError)
+    meta = _header(location, key, label, recorded)
     try:
         shape = tuple(int(n) for n in meta["shape"])
         grid = meta["chunk_grid"]
         keys = meta.get("chunk_key_encoding", {"name": "default"})
-        codecs = meta["codecs"]
         outer_shape = tuple(int(n) for n in grid["configuration"]["chunk_shape"])
-        chunks_per_shard = None
-        if len(codecs) == 1 and codecs[0]["name"] == "sharding_indexed":
-            sharding = codecs[0]["configuration"]
-            chunk_shape = tuple(int(n) for n in sharding["chunk_shape"])
-            index_chain = tuple(
-                (c["name"], c.get("configuration", {}).get("endian")) for c in sharding["index_codecs"]
-            )
-            sharded_as_written = (
-                index_chain == _INDEX_CODECS
-                and sharding.get("index_location", "end") == "end"
-                and outer_shape[1:] == chunk_shape[1:]
-                and outer_shape[0] % chunk_shape[0] == 0
-                and outer_shape[0] >= shape[0]  # one shard holds the whole array
-            )
-            chunks_per_shard = outer_shape[0] // chunk_shape[0] if sharded_as_written else 0
-            codecs = sharding["codecs"]
-        else:
-            chunk_shape = outer_shape
+        chunk_shape, chunks_per_shard, codecs = _chunking(meta["codecs"], shape, outer_shape)
         chain, endian = _codec_chain(codecs)
         dtype = np.dtype(meta["data_type"]).newbyteorder("<")
         usable = (
@@ -222,6 +196,42 @@ def _layout(location: Location, key: str, label: str, recorded: Recorded | None)
         logical_dtype=str(attrs.get("logical_dtype", dtype.name)),
         chunks_per_shard=chunks_per_shard,
     )
+
+
+def _header(location: Location, key: str, label: str, recorded: Recorded | None) -> Any:
+    """The array's zarr.json, parsed: given the part record's entry, first proved to be the recorded file
+    (a plain parse then suffices), else parsed as untrusted JSON."""
+    try:
+        data = _header_bytes(location, key, label)
+    except FileNotFoundError:
+        raise StoreIntegrityError(f"{label}: the array's zarr.json is missing") from None
+    if recorded is None:
+        return parse_json(data, what=f"{label}/zarr.json", error=StoreIntegrityError)
+    recorded.check("zarr.json", data, f"{label}/zarr.json")
+    return json.loads(data)
+
+
+def _chunking(
+    codecs: Any, shape: tuple[int, ...], outer_shape: tuple[int, ...]
+) -> tuple[tuple[int, ...], int | None, Any]:
+    """(the chunk a read decodes, inner chunks per shard, the chunk's codecs) of an array's codecs: a
+    shard as mopd writes it (its index at the end, one shard the whole array; 0 inner chunks for one
+    written otherwise, which the caller refuses), or one file per chunk (None)."""
+    if not (len(codecs) == 1 and codecs[0]["name"] == "sharding_indexed"):
+        return outer_shape, None, codecs
+    sharding = codecs[0]["configuration"]
+    chunk_shape = tuple(int(n) for n in sharding["chunk_shape"])
+    index_chain = tuple(
+        (c["name"], c.get("configuration", {}).get("endian")) for c in sharding["index_codecs"]
+    )
+    as_written = (
+        index_chain == _INDEX_CODECS
+        and sharding.get("index_location", "end") == "end"
+        and outer_shape[1:] == chunk_shape[1:]
+        and outer_shape[0] % chunk_shape[0] == 0
+        and outer_shape[0] >= shape[0]  # one shard holds the whole array
+    )
+    return chunk_shape, outer_shape[0] // chunk_shape[0] if as_written else 0, sharding["codecs"]
 
 
 class _BoundedCache:

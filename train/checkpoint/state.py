@@ -105,12 +105,7 @@ def save_checkpoint(
     """
     world = world or RankGroup()
     final = root / checkpoint_name(step)
-    made = None
-    if world.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        made = unique_temp_name(final)
-        (made / MODEL_DIR).mkdir(parents=True)
-    temp = Path(world.broadcast_object(str(made)))
+    temp = _stage(root, final, world)
     try:
         student.save_state(temp, optimizer)
         world.barrier()
@@ -119,13 +114,7 @@ def save_checkpoint(
                 temp, step, student.layout, optimizer, scheduler, loader, teachers, run, tracking or {}
             )
             faults.point("checkpoint-written")
-            if final.exists() and not (final / COMPLETE).exists():
-                # A folder without its marker is not a checkpoint; move it aside (a temporary: garbage).
-                final.rename(unique_temp_name(final))
-            if not publish_dir(temp, final, what="checkpoint"):
-                raise MopdError(
-                    f"checkpoint {final} already exists; another run writes into this output folder"
-                )
+            _publish(temp, final)
     except BaseException:
         if world.rank == 0:
             shutil.rmtree(temp, ignore_errors=True)
@@ -135,6 +124,25 @@ def save_checkpoint(
         faults.point("checkpoint-retained")
     world.barrier()
     return final
+
+
+def _stage(root: Path, final: Path, world: RankGroup) -> Path:
+    """The temporary folder the checkpoint is written into, made by rank 0, named to every rank."""
+    made = None
+    if world.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        made = unique_temp_name(final)
+        (made / MODEL_DIR).mkdir(parents=True)
+    return Path(world.broadcast_object(str(made)))
+
+
+def _publish(temp: Path, final: Path) -> None:
+    """Renames the written checkpoint onto its name (a folder there without its marker is not a
+    checkpoint: moved aside as a temporary, which is garbage)."""
+    if final.exists() and not (final / COMPLETE).exists():
+        final.rename(unique_temp_name(final))
+    if not publish_dir(temp, final, what="checkpoint"):
+        raise MopdError(f"checkpoint {final} already exists; another run writes into this output folder")
 
 
 def _write_run_state(

@@ -1,6 +1,6 @@
 """Streams a teacher store to one data-parallel rank: steps of microbatches, read ahead in a thread.
 
-The order comes from `data_order` (pure functions of lengths, seed, epoch and rank), so the loader's
+The order comes from `data.order` (pure functions of lengths, seed, epoch and rank), so the loader's
 whole state is a `LoaderState`. A microbatch holds its rows padded only to its own longest row, and each
 teacher's hidden states at the trained positions only (the kernel never needs the others).
 
@@ -126,7 +126,7 @@ class StoreLoader:
     Args:
         store: the opened teacher store.
         rows: the store rows to train on (the rest, e.g. held-out rows, are never read).
-        seed, micro_batch_tokens, global_batch_tokens: the data order (see `data_order`).
+        seed, micro_batch_tokens, global_batch_tokens: the data order (see `data.order`).
         dp_rank, dp_size: this rank's place in the data-parallel group.
         prefetch: steps read ahead.
         with_teacher_states: read the teacher hidden states (only ranks that compute the loss need them).
