@@ -1,23 +1,5 @@
-"""HF ↔ Megatron-core weight conversion for Llama-, Qwen2- and Qwen3-family causal LMs.
-
-A Megatron GPTModel splits each tensor-parallel layer as its column- or row-parallel linear needs
-(Megatron name on the left, this TP rank's part; `L.` = `decoder.layers.i.`, HF `l.` = `model.layers.i.`):
-
-    embedding.word_embeddings.weight   model.embed_tokens.weight, vocabulary padded, rows split
-    L.input_layernorm.weight           l.input_layernorm.weight
-    L.self_attention.linear_qkv.*      l.self_attn.{q,k,v}_proj.*: per query group [its q heads; k; v],
-                                       the groups split over ranks (weights and Qwen2's biases)
-    L.self_attention.q_layernorm       l.self_attn.q_norm.weight (Qwen3: RMSNorm over each head, before
-    L.self_attention.k_layernorm       l.self_attn.k_norm.weight  RoPE; whole on every TP rank)
-    L.self_attention.linear_proj       l.self_attn.o_proj.weight, input columns split
-    L.pre_mlp_layernorm.weight         l.post_attention_layernorm.weight
-    L.mlp.linear_fc1.weight            [this rank's rows of gate_proj; of up_proj]
-    L.mlp.linear_fc2.weight            l.mlp.down_proj.weight, input columns split
-    decoder.final_layernorm.weight     model.norm.weight
-    output_layer.weight                lm_head.weight (or the tied embedding), vocabulary rows split
-
-Layer i is the stage's local index (`decoder.layers.{i}`); `first_layer` maps it to the HF number. Both
-directions only slice, concatenate and pad, so a round trip is bit-exact.
+"""HF ↔ Megatron-core weight conversion for Llama-, Qwen2- and Qwen3-family causal LMs: only slicing,
+concatenation and padding, so a round trip is bit-exact (the name map: docs/internals.md).
 """
 
 from __future__ import annotations

@@ -1,19 +1,5 @@
-"""The `vllm` teacher backend: vLLM's pooling runner returns every token's final hidden state.
-
-vLLM runs the teacher as a pooling model with per-token embeddings (`token_embed`), pooled over all
-tokens with no activation or normalisation: that is the output of the model's final norm, the input of
-its LM head, as in the `hf` backend. vLLM schedules each batch of rows itself (prefill only, no
-sampling, no prefix caching, so every row's states are computed from its own tokens).
-
-A pooling model does not load its output layer, so the LM head, the logit transform and the capture
-check come from the checkpoint's transformers implementation cut to its first block (embeddings, one
-block, final norm and output layer: a small fraction of the teacher, on the CPU). That proves
-`transform(h · Wᵀ)` is the architecture's logits for this head; that vLLM's hidden states are the
-transformers ones is what tests/precompute/test_vllm_backend.py proves for each supported backend.
-
-`precompute.parallel` {tp, pp} spans one engine over tp × pp devices (vLLM's own tensor and pipeline
-parallelism, its workers in processes of their own); `--num-tasks/--task-index` split the work across such
-engines as across single-device ones.
+"""The `vllm` teacher backend: vLLM's pooling runner returns every token's final hidden state; the LM
+head and its capture check come from the checkpoint cut to one block (docs/internals.md).
 """
 
 from __future__ import annotations

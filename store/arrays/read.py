@@ -1,22 +1,5 @@
-"""Verified reads of the store's arrays, chunk by chunk: mopd reads, checks and decodes each chunk itself.
-
-Every array mopd writes is a zarr v3 array of one shape: a regular grid along the first axis, the
-default chunk key encoding (`c/<i>/0/…`), and chunks encoded bytes (little endian) → blosc (optional)
-→ crc32c. Format 3 puts them as inner chunks into one shard file per array (`sharding_indexed`, index
-at the end, itself bytes → crc32c); an array of one file per chunk, the layout before shards, is read
-too (`bench/scale.py` measures against it). Reading the files directly
-instead of through a general zarr library pays off twice. The crc32c runs on the CPU's own instruction
-(google-crc32c, ~25 GB/s here); tensorstore's portable wheel computes it in software, which cost 20–30%
-of the read time (`bench/store_io.py`). And a decoded chunk is kept in a small LRU cache, so the rows
-inside one chunk decode it once, not once each.
-
-A chunk or shard index that is missing, of the wrong size, fails its checksum or does not decode is a
-`StoreIntegrityError` naming the array, the chunk and the file: nothing is ever filled in.
-
-Given the array's part record (`binding.Recorded`), a reader also proves that what it decodes is the file
-the store recorded: its `zarr.json` has the recorded sha256, its shard the recorded size and every
-chunk the checksum listed beside the shard (see `binding.py`). A read of a shard's inner chunks is
-one `Location.read_ranges`: one request on a bucket where they lie close together.
+"""Verified reads of the store's arrays, chunk by chunk: mopd reads, checks and decodes each chunk itself,
+and refuses any that is not the file the store recorded (docs/internals.md, store/arrays/read.py).
 """
 
 from __future__ import annotations

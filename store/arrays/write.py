@@ -1,20 +1,5 @@
-"""Zarr v3 arrays of the store: creation, streaming writes of one shard file per array, logical dtypes.
-
-Format 3 stores every numeric array as one shard (zarr v3's `sharding_indexed` codec): a single file
-`c/0[/0]` holding inner chunks of about `chunk_bytes` each (at most `MAX_INNER_ROWS` rows), every one
-encoded bytes → blosc (optional) → crc32c, followed by the shard index (offset and size of each inner
-chunk, itself crc32c-protected). Beside it, `chunks.crc32c` lists those checksums in order (format 4):
-what binds each chunk a reader decodes to the file the store recorded (`binding.Recorded`).
-One file per array keeps the file count of a store at a few per task whatever its size, and a read
-decodes only the inner chunks it needs (`read.ArrayReader`). zarr-python writes each array's
-metadata; mopd writes the shard file itself, streaming: inner chunks are encoded on a small thread pool
-as they fill and written in order, so memory stays at a few chunks however large the array. zarr-python
-and tensorstore read the result as any sharded array (tests/store/test_roundtrip.py shows both).
-bf16 is stored as uint16 bit patterns with the attribute `logical_dtype: "bfloat16"` because
-zarr-python has no bfloat16 dtype (bit-exact round trip).
-
-Reads never invent data: every inner chunk is written, zeros too, and a missing, truncated, undecodable
-or bit-flipped chunk is a `StoreIntegrityError` naming the array and the chunk.
+"""Zarr v3 arrays of the store: one shard file per array, streamed inner chunk by inner chunk, each with
+its crc32c and their list beside the shard (docs/internals.md, store/arrays/write.py).
 """
 
 from __future__ import annotations

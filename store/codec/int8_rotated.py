@@ -1,23 +1,5 @@
-"""The `int8-rotated` encoding of hidden states (`store.encoding`): 8 bits a value, priced in nats.
-
-A teacher's final hidden states carry a few "massive" channels (SmolLM2's channel 199 has an RMS of 31
-against 2.1 for the whole state), so a per-token int8 step set by the largest value wastes most of the
-256 codes on every other channel. A fixed orthogonal rotation R spreads each channel over all of them, and
-subtracting the dataset mean μ first takes out what every token shares:
-
-    y = (h − μ) R,   s = max|y| / 127,   codes = round(y / s) ∈ [−127, 127],   ĥ = (codes · s) Rᵀ + μ
-
-R = diag(signs) · (Q ⊗ H_a ⊗ H_b): random signs, a seeded random orthogonal Q of the odd factor m of H,
-and normalised Sylvester-Hadamard matrices of the power-of-two factor p = a · b (H = m · p). It is
-applied as three small matrix products over a [m, a, b] view of each token (m + a + b multiply-adds a
-value), so no [H, H] matrix exists at any H. The signs and Q are drawn from `SEED` once per teacher and
-stored with the mean (`EncodingTask`): every job and machine decodes with the stored values, never with
-values it derived itself.
-
-Error model (`expected_kl`): each rotated value is off by a rounding error uniform in ±s/2, so the logit
-error Δ = δ·Wᵀ has, under the teacher's distribution p, a variance of (s²/12)·tr Cov_p(W) in expectation,
-and KL(p‖q) = ½ Var_p(Δ) + O(Δ³). Hoeffding's lemma bounds it per token whatever the errors are:
-KL(p‖q) ≤ (max Δ − min Δ)² / 8 ≤ H·s²·max‖w_v‖² / 8 (`kl_bound`).
+"""The `int8-rotated` encoding of hidden states (`store.encoding`): 8 bits a value after a fixed rotation,
+priced in nats by its error model (the derivation: docs/internals.md, store/codec/int8_rotated.py).
 """
 
 from __future__ import annotations

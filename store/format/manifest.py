@@ -1,20 +1,5 @@
-"""Schemas of the store's JSON records: the plan, task part records and the manifest (format version 4).
-
-- `_plan.json`: written once when a store is created; every later job must plan the same store.
-- `_parts/<task_id>.json`: created no-clobber by a task after its output folder is durable.
-- `manifest.json`: written last by finalize; the only thing readers trust.
-
-All three are canonical JSON (sorted keys). Fields that legitimately differ between two runs that
-computed the same bytes (time, host) live under `volatile` and are excluded from every comparison.
-
-A task comes in four kinds, each its own type (`RowsTask`, `HeadTask`, `ShardTask`, and in an
-int8-rotated store `EncodingTask`): a head, a shard and an encoding always know their teacher, so nothing
-downstream guesses one. Every array is one shard file of small inner chunks (`arrays/write.py`;
-`storage.chunk_bytes` is the inner chunk's size), each with its crc32c, and beside each shard the list of
-its chunks' checksums (`arrays.binding.CRC_FILE`) binds every chunk a reader decodes to the file the part
-record names; a fingerprint covers every byte of a teacher that decides its outputs. An int8-rotated
-store (`storage.encoding`) requires the feature `int8-rotated` of its readers. Stores of the formats
-before version 4 (1–3, written before mopd 0.1.0) are refused in one line that says to rebuild them.
+"""Schemas of the store's JSON records: the plan, task part records and the manifest (format version 4),
+each canonical JSON, the manifest the only thing readers trust (docs/internals.md, docs/store-format.md).
 """
 
 from __future__ import annotations

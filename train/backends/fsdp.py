@@ -1,21 +1,5 @@
-"""The `fsdp` student: the transformers student of the `hf` backend, sharded over the data-parallel ranks
-with FSDP2 (`torch.distributed.fsdp.fully_shard`), so that each rank holds 1/W of its parameters,
-gradients and AdamW state (W: the ranks it shards over).
-
-Units, each gathered whole only while it computes: every decoder block; the input embeddings; the output
-layer, kept whole from the backbone's forward to the end of the loss's backward (the fused divergence
-kernel takes the whole head, and its gradient is reduce-scattered once that backward ends); tied
-embeddings are one unit of both. The root unit (the whole model) holds the rest: the final norm, which
-the root never reshards during a step. With `dp_replicate` R > 1 the ranks form an R × (W / R) mesh:
-sharded within a group of W / R ranks, replicated across the R groups (HSDP).
-
-Gradients: the trainer normalises the loss by the global batch (`trainer.py`), so the reduction sums
-(never averages) them: after every microbatch's backward, each rank then keeping only its shard of them
-(`gradient_sync: microbatch`), or after a step's last microbatch only (`step`: one reduction a step,
-but each rank holds the whole fp32 gradient until then; `set_requires_gradient_sync`). FSDP's
-collectives run in every forward, so every rank runs as many microbatches as the rank with the most:
-the others run a one-token filler whose loss is 0 × (its outputs), which adds exact zeros to every
-gradient.
+"""The `fsdp` student: the `hf` backend's transformers student sharded over the data-parallel ranks with
+FSDP2, each rank holding 1/W of its parameters, gradients and AdamW state (units: docs/internals.md).
 """
 
 from __future__ import annotations

@@ -1,23 +1,5 @@
 """What a training run was trained on: the store's identity and every setting that fixes the data order
-or the objective (DESIGN §7). A checkpoint records it; a resume with any of it changed is refused,
-naming the field with its old and new value.
-
-Settings that may change on resume (they touch neither the data order nor the objective):
-
-- `train.steps` (the learning-rate schedule is recomputed for the new total),
-- `train.checkpoint.every`, `train.checkpoint.keep`, `train.output_dir`,
-- `train.eval.every`, `train.device`, `train.lm_head_lifecycle`,
-- `train.divergence.chunk_size`, `train.divergence.compile`, `train.parallel.tp`, `train.parallel.pp`,
-  `train.parallel.sequence_parallel`, `train.parallel.dp_replicate`, `train.parallel.gradient_sync` and
-  `train.activation_checkpointing` (memory and speed: they change only the order in which the same sums
-  are taken, or recompute the same values),
-- `train.student` and `train.init_from` (a resumed run's weights come from its checkpoint),
-- `train.prefetch` and `train.report_to` (how the data is read, where the records also go),
-- the number of ranks (the data order and the loss do not depend on it; an fsdp or hf checkpoint loads
-  on any rank count, a megatron one at any tp × pp and data-parallel size).
-
-Continuing on other data or with another objective is a new run started from the checkpoint with
-`train.init_from`, never a resume.
+or the objective; a resume with any of it changed is refused (which may change: docs/internals.md).
 """
 
 from __future__ import annotations

@@ -1,28 +1,5 @@
-"""Training checkpoints: everything `--resume` needs to continue exactly, with no pickle (DESIGN §7).
-
-    OUTPUT/checkpoints/step_00000100/
-        model/                  the student as a transformers checkpoint (config + safetensors)
-        optimizer.safetensors   AdamW moments and step counts, keyed "<param position>.<name>"
-        rng.safetensors         torch RNG states
-        state.json              step, loader state, optimizer hyper-parameters, scheduler state, layout,
-                                the run record (the store and every setting the run was trained with)
-                                and the tracker runs it reported to
-        teachers.json           the store's teacher list: index, checkpoint, fingerprint
-        COMPLETE                written last: lists every other file with its size and sha256; a folder
-                                without it is not a checkpoint, a file that differs from it is named
-
-Sharded students write their shards instead, into `state/`, and only the student's config and
-tokenizer files into `model/`. fsdp: torch's distributed checkpoint of the weights and AdamW state (one
-`__<rank>_0.distcp` file per rank, written by that rank, and a `.metadata` index); it loads on any rank
-count (the shards are re-cut). megatron: megatron-core's `dist_checkpointing` of the same (each tensor
-a slice of the whole one, written by the first data-parallel replica holding it); it loads at any
-tp × pp and data-parallel size. `mopd export-hf` reads either whole into a transformers checkpoint. The
-layout (backend, and for megatron the checkpoint format) is in state.json; a run resumes only a
-checkpoint of its own backend.
-
-A checkpoint is written under a temporary name, fsynced, and published by a rename, so a crash leaves
-either nothing or a complete checkpoint; the temporaries of killed saves are removed when the run
-resumes. Retention deletes only older complete checkpoints, never the newest one.
+"""Training checkpoints: everything `--resume` needs to continue exactly, with no pickle (DESIGN §7),
+written under a temporary name and published by a rename (the files: docs/internals.md).
 """
 
 from __future__ import annotations

@@ -1,29 +1,5 @@
-"""Fused, chunked, vocabulary-parallel divergences: student vs teachers rebuilt from hidden states.
-
-Legend: N tokens, C tokens in a chunk, V this tensor-parallel rank's vocabulary slice (V_local),
-Hs / Ht student / teacher hidden sizes. `x_NH` is [N, H], `logits_CV` is [C, V], and so on.
-
-Precision: every logit, statistic and gradient accumulator is fp32. On CUDA, bf16/fp16 hidden states
-and heads go into the GEMMs as they are, with fp32 products (bf16 × bf16 is exact in fp32, so nothing
-of the stored values is lost, and no [V, H] head is ever copied); on the CPU, whose bf16 GEMMs are
-slow, operands are upcast: the student's once per call, a teacher's head only while its tokens are in
-flight (tokens are sorted by teacher). fp32 inputs stay fp32 everywhere.
-
-Per chunk, both sides' logits come from a GEMM; the softmax statistics are global over the
-tensor-parallel group (all-reduce MAX, then SUM of exp; student and teacher stacked in one collective),
-padded vocabulary columns are masked out, and the per-token value and its gradient are formed at once.
-Collectives carry O(C) numbers per chunk; nothing of size N × V exists at any time.
-
-Gradients are computed in the forward pass (as Liger's fused linear losses do) and scaled by the
-incoming gradient in backward. Chosen by measurement (N=4096, V=49152, H=576, fp32, 2 CPU cores,
-chunk 256): a values-only pass takes 7.2 s and values + gradients 7.6 s — the softmax statistics and the
-teacher GEMM dominate, the two gradient GEMMs are cheap. Recomputing in backward would pay the
-values pass twice (~14.8 s a step) to save one [N, Hs] and one [V, Hs] buffer, memory of the size of
-the inputs and parameters that training holds anyway.
-
-Every kind's gradient with respect to the student logits has the form p_s ⊙ (u − ⟨p_s, u⟩), with
-u = ∂value/∂p_s (forward KL is written directly as p_s − p_t). Values and gradients are with respect
-to the tempered logits z = logits / T; the chain rule's 1/T is applied to the GEMM gradients.
+"""Fused, chunked, vocabulary-parallel divergences: student vs teachers rebuilt from hidden states, nothing
+of size tokens × vocabulary ever formed (the design notes: docs/internals.md, train/kernel/divergence.py).
 """
 
 from __future__ import annotations
