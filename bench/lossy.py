@@ -51,7 +51,6 @@ from mopd.cli.quickstart_assets import prepare_models, write_dataset  # noqa: E4
 from mopd.config.mopd_config import load_config  # noqa: E402
 from mopd.precompute.runner import run_precompute  # noqa: E402
 from mopd.store import open_store  # noqa: E402
-from mopd.store.arrays.read import clear_cache  # noqa: E402
 from mopd.store.codec.int8_rotated import expected_kl, logit_divergence  # noqa: E402
 from mopd.store.format.transform import LogitTransform  # noqa: E402
 from mopd.store.reader import TeacherStore  # noqa: E402
@@ -92,7 +91,7 @@ def shard_bytes_per_token(store: TeacherStore) -> float:
 
 
 def read_throughput(store: TeacherStore) -> float:
-    clear_cache()
+    store.cache.clear()
     rows = np.arange(store.num_rows)
     start = time.perf_counter()
     states = store.hiddens(rows)

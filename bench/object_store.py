@@ -38,7 +38,6 @@ from bench.scale import run_measured, write_dataset  # noqa: E402
 from mopd.precompute.packaged_models import smollm2_checkpoint  # noqa: E402
 from mopd.precompute.teachers import load_tokenizer  # noqa: E402
 from mopd.store import open_store  # noqa: E402
-from mopd.store.arrays.read import clear_cache  # noqa: E402
 from mopd.store.format.manifest import load_manifest  # noqa: E402
 from mopd.train.data.loader import read_microbatches  # noqa: E402
 from mopd.train.data.order import epoch_steps, rank_microbatches  # noqa: E402
@@ -76,7 +75,7 @@ def step_reads(store: str, rows: int) -> float:
     """Rows per second of the loader's step reads, one step after another, from a cold chunk cache."""
     opened = open_store(store)
     steps = epoch_steps(opened.lengths, seed=0, epoch=0, global_batch_tokens=16 * MICRO_BATCH_TOKENS)
-    clear_cache()
+    opened.cache.clear()
     read, start = 0, time.perf_counter()
     for step in steps:
         micro = rank_microbatches(

@@ -47,7 +47,7 @@ from mopd.precompute.ingest import ingest  # noqa: E402
 from mopd.precompute.packaged_models import smollm2_checkpoint  # noqa: E402
 from mopd.precompute.teachers import load_tokenizer  # noqa: E402
 from mopd.store import open_store  # noqa: E402
-from mopd.store.arrays.read import clear_cache  # noqa: E402
+from mopd.store.arrays.read import ChunkCache  # noqa: E402
 from mopd.store.format.provenance import INGEST_DIR  # noqa: E402
 from mopd.train.data.loader import read_microbatches  # noqa: E402
 from mopd.train.data.order import epoch_steps, rank_microbatches  # noqa: E402
@@ -171,7 +171,7 @@ def per_row_seconds(store_path: Path, sample: np.ndarray) -> tuple[float, int]:
     drop_page_cache()
     start = time.perf_counter()
     for i in sample.tolist():
-        clear_cache()
+        store.cache.clear()
         store.row(i)
         hidden_bytes += store.hidden(i).numel() * 2
     return time.perf_counter() - start, hidden_bytes
@@ -186,7 +186,7 @@ def read_rates(store_path: Path, old_layout: Path, rows: int, micro_batch_tokens
     per_row_s, _ = per_row_seconds(store_path, sample)
     steps = epoch_steps(store.lengths, seed=0, epoch=0, global_batch_tokens=16 * micro_batch_tokens)
     drop_page_cache()
-    clear_cache()
+    store.cache.clear()
     read_rows, read_bytes, start = 0, 0, time.perf_counter()
     for step in steps:
         micro = rank_microbatches(
@@ -232,15 +232,15 @@ def chunk_choice(
             path = work / f"chunks-{hidden}-{kib}"
             write_array(path, data, logical_dtype="bfloat16", chunk_bytes=kib << 10, codec="shuffle-zstd1")
             on_disk = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-            reader = ArrayReader(path, label="bench")
-            clear_cache()
+            cache = ChunkCache()
+            reader = ArrayReader(path, label="bench", cache=cache)
             start = time.perf_counter()
             reader.read()
             sequential = time.perf_counter() - start
             picks = [rng.choice(rows, size=step_rows, replace=False) for _ in range(8)]
             start = time.perf_counter()
             for pick in picks:
-                clear_cache()
+                cache.clear()
                 reader.gather(offsets[pick], offsets[pick + 1])
             step_s = (time.perf_counter() - start) / len(picks)
             out.append(

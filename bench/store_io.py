@@ -36,7 +36,6 @@ from mopd.base.fsio import fsync_tree
 from mopd.precompute.runner import CHUNK_BYTES
 from mopd.store import open_store
 from mopd.store.arrays.binding import Recorded
-from mopd.store.arrays.read import clear_cache
 from mopd.store.arrays.write import storage_dtype
 from mopd.store.format.layout import plan_tasks, shard_rows
 from mopd.store.format.manifest import (
@@ -168,7 +167,6 @@ def binding_pairs(root: Path, pairs: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {"bound": [], "unbound": []}
     for pair in range(pairs):
         for bound in (True, False) if pair % 2 == 0 else (False, True):
-            clear_cache()
             times["bound" if bound else "unbound"].append(store_read(root, bound=bound)[0])
     return times
 

@@ -23,7 +23,7 @@ from mopd.base.errors import ManifestError, StoreIntegrityError
 from mopd.base.fsio import safe_relative
 from mopd.store.arrays.binding import Recorded
 from mopd.store.arrays.dtypes import TORCH_DTYPES, from_storage
-from mopd.store.arrays.read import ArrayReader
+from mopd.store.arrays.read import ArrayReader, ChunkCache
 from mopd.store.codec.int8_rotated import Encoding
 from mopd.store.format.layout import (
     CODES,
@@ -79,6 +79,7 @@ class TeacherStore:
         self.location = open_location(root, options)
         # The store's folder (a Path), or its URL in a bucket.
         self.root: Path | str = self.location.local_folder() or self.location.url
+        self.cache = ChunkCache()  # the decoded chunks this store's reads keep for reuse (bounded)
         self.manifest = read_manifest(self.location)
         self._artifacts = {a.path: a for a in self.manifest.artifacts()}
         rows = self._array(self.manifest.rows.path, OFFSETS)
@@ -97,8 +98,12 @@ class TeacherStore:
             raise StoreIntegrityError(
                 f"{self.location.describe(label)} is listed in the manifest but missing; run verify-manifest"
             )
-        recorded = Recorded.of(self._part(folder).files, name)
-        return ArrayReader(self.location, label, label=label, recorded=recorded)
+        recorded = self._recorded(folder, name)
+        return ArrayReader(self.location, label, label=label, recorded=recorded, cache=self.cache)
+
+    def _recorded(self, folder: str, name: str) -> Recorded | None:
+        """What the part record of the task folder says of its array `name`."""
+        return Recorded.of(self._part(folder).files, name)
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - as `_array` (a few KiB each)
     def _part(self, folder: str) -> PartRecord:

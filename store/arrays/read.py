@@ -32,8 +32,8 @@ _CODEC_CHAINS = {
     ("bytes", "blosc"): (True, False),
     ("bytes", "blosc", "crc32c"): (True, True),
 }
-CACHE_BYTES = 256 << 20  # decoded chunks kept for reuse, over all arrays of the process
-INDEX_CACHE_BYTES = 64 << 20  # shard indexes kept: ~4M inner chunks, a store of ~1 TB at 256 KiB
+CACHE_BYTES = 256 << 20  # decoded chunks a ChunkCache keeps for reuse, over all arrays of its store
+INDEX_CACHE_BYTES = 64 << 20  # shard indexes it keeps: ~4M inner chunks, a store of ~1 TB at 256 KiB
 
 
 _INDEX_CODECS = (("bytes", "little"), ("crc32c", None))
@@ -251,15 +251,20 @@ class _BoundedCache:
                 self._held -= dropped.nbytes
 
 
-_CACHE = _BoundedCache(CACHE_BYTES)
-# Shard indexes (16 bytes per inner chunk), keyed by the shard file's identity like the chunks.
-_INDEXES = _BoundedCache(INDEX_CACHE_BYTES)
+class ChunkCache:
+    """The decoded chunks and shard indexes (16 bytes per inner chunk) that the readers of one store share,
+    each bounded (`CACHE_BYTES`, `INDEX_CACHE_BYTES`) and keyed by its file's identity: a chunk or shard
+    deleted, replaced or changed since it was decoded is read again, never served from memory. A store
+    owns one (`TeacherStore.cache`), a lone reader its own; it lives as long as they do."""
 
+    def __init__(self) -> None:
+        self.chunks = _BoundedCache(CACHE_BYTES)
+        self.indexes = _BoundedCache(INDEX_CACHE_BYTES)
 
-def clear_cache() -> None:
-    """Drops every decoded chunk the process keeps (their memory, or a fresh count of chunk reads)."""
-    _CACHE.clear()
-    _INDEXES.clear()
+    def clear(self) -> None:
+        """Drops what it keeps (its memory, or a cold start for a count of chunk reads)."""
+        self.chunks.clear()
+        self.indexes.clear()
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -275,7 +280,8 @@ class ArrayReader:
         key: the array's folder inside it.
         label: how messages name it (its path inside the store).
         recorded: the array's files as its part record lists them; every file read is then proved to be
-            the recorded one (see the module's docstring).
+            the recorded one (see `binding.py`).
+        cache: where decoded chunks are kept for reuse (its store's); a cache of its own if None.
     """
 
     def __init__(
@@ -285,11 +291,13 @@ class ArrayReader:
         *,
         label: str,
         recorded: Recorded | None = None,
+        cache: ChunkCache | None = None,
     ) -> None:
         self.location = open_location(location)
         self.key = key
         self.label = label
         self._recorded = recorded
+        self._cache = cache or ChunkCache()
         self._layout = _layout(self.location, key, label, recorded)
         self.shape = self._layout.shape
         self.logical_dtype = self._layout.logical_dtype
@@ -347,7 +355,7 @@ class ArrayReader:
             return list(chunks)
         name, identity, entries = self._shard_index()
         keys = [(self.location.url, self.key, index, *identity) for index in indices]
-        out: list[np.ndarray | None] = [_CACHE.get(key) for key in keys]
+        out: list[np.ndarray | None] = [self._cache.chunks.get(key) for key in keys]
         wanted = [k for k, chunk in enumerate(out) if chunk is None]
         ranges = []
         for k in wanted:
@@ -364,7 +372,7 @@ class ArrayReader:
 
         def decode(k: int, raw: bytes) -> np.ndarray:
             chunk = self._decode(indices[k], raw, self._where(name, indices[k]))
-            _CACHE.put(keys[k], chunk)
+            self._cache.chunks.put(keys[k], chunk)
             return chunk
 
         decode_all = _pool().map if len(wanted) > 1 else map
@@ -379,11 +387,11 @@ class ArrayReader:
         where = self._where(name, index)
         found = self._file_stat(name, where)
         key = (self.location.url, self.key, index, *found.identity)
-        chunk = _CACHE.get(key)
+        chunk = self._cache.chunks.get(key)
         if chunk is None:
             data = self._read(name, where, found.size, 0, found)
             chunk = self._decode(index, data, where)
-            _CACHE.put(key, chunk)
+            self._cache.chunks.put(key, chunk)
         return chunk
 
     def _shard_index(self) -> tuple[str, tuple[Any, ...], np.ndarray]:
@@ -397,7 +405,7 @@ class ArrayReader:
             if self.location.remote:
                 self._shard_found = found
         key = (self.location.url, self.key, *found.identity)
-        entries = _INDEXES.get(key)
+        entries = self._cache.indexes.get(key)
         per_shard = self._layout.chunks_per_shard
         assert per_shard is not None
         if self._recorded is not None and self._crcs is None:
@@ -418,7 +426,7 @@ class ArrayReader:
             ends = entries[written, 0] + entries[written, 1]
             if ends.size and int(ends.max()) > found.size - index_bytes:
                 raise StoreIntegrityError(f"{where}: its index points past the chunk data (truncated)")
-            _INDEXES.put(key, entries)
+            self._cache.indexes.put(key, entries)
         return name, found.identity, entries
 
     def _read(self, name: str, where: str, limit: int, offset: int, found: Found) -> bytes:

@@ -20,7 +20,6 @@ from mopd.config.mopd_config import load_config
 from mopd.precompute.outputs import StoreOutput
 from mopd.precompute.runner import run_precompute
 from mopd.store import open_store
-from mopd.store.arrays.read import clear_cache
 from mopd.store.codec.int8_rotated import Calibration, expected_kl, kl_bound, logit_divergence
 from mopd.store.format.layout import CODES, MEAN
 from mopd.store.format.manifest import CALIBRATION_FILE, INT8_ROTATED, MANIFEST_FILE, PLAN_FILE, load_plan
@@ -144,7 +143,6 @@ def test_a_job_that_loses_the_encoding_race_encodes_with_the_winners(
     result = run_precompute(config, store_path=store, num_tasks=2, task_index=1, **QUIET)
     assert any(t.endswith("_encoding") for t in result.tasks_computed)
     assert result.manifest is not None
-    clear_cache()
     coded, exact = open_store(store), open_store(run_precompute(load_config(configs["exact"]), **QUIET).store)
     winner = coded.encoding(0)
     assert winner is not None and float(winner[0].mean.sum()) != 0
@@ -198,7 +196,6 @@ def test_a_changed_encoding_or_code_is_refused(configs: dict[str, Path], tmp_pat
         data = bytearray(target.read_bytes())
         data[len(data) // 3] ^= 0x10
         target.write_bytes(bytes(data))
-    clear_cache()
     store = open_store(root)
     with pytest.raises(StoreIntegrityError):
         store.hiddens(np.flatnonzero(store.teacher_indices == manifest.shards[0].teacher))

@@ -22,7 +22,6 @@ from mopd.base.errors import FilesystemError, StoreIntegrityError
 from mopd.cli.main import cli
 from mopd.store import open_store
 from mopd.store.arrays import read as chunks
-from mopd.store.arrays.read import clear_cache
 from mopd.store.format.layout import HIDDEN
 from mopd.store.format.manifest import MANIFEST_FILE, PARTS_DIR, load_manifest, load_part, part_key
 from mopd.store.locations.bucket import Bucket
@@ -49,7 +48,6 @@ def test_a_store_in_a_bucket_is_the_store_on_disk(small_spec: StoreSpec, s3_buck
     assert open_location(remote.root).digests("") == local_files  # every object: size and sha256
     assert load_manifest(remote.root).hash() == load_manifest(small_spec.root).hash()
 
-    clear_cache()
     on_disk, in_bucket_ = open_store(small_spec.root), open_store(remote.root)
     rows = np.arange(on_disk.num_rows)
     assert all(
@@ -156,7 +154,6 @@ def test_a_deleted_or_altered_object_is_named(small_spec: StoreSpec, s3_bucket: 
     obstore.put(location.store, shard_key, bytes(data))
     obstore.delete(location.store, f"{gone.path}/{HIDDEN}/c/0/0")
 
-    clear_cache()
     store = open_store(remote.root)
     shard_of = store._row_locations[0]
     for artifact, position in ((gone, 0), (changed, 1)):
@@ -175,7 +172,6 @@ def test_a_replaced_object_is_refused_while_a_reader_holds_it(small_spec: StoreS
     same bytes) is refused, never mixed with the bytes it read before."""
     remote = in_bucket(small_spec, s3_bucket)
     build_store(remote)
-    clear_cache()
     store = open_store(remote.root)
     shard = store.manifest.shards[0]
     rows = np.flatnonzero(store._row_locations[0] == 0)
@@ -183,7 +179,7 @@ def test_a_replaced_object_is_refused_while_a_reader_holds_it(small_spec: StoreS
     location = Bucket(remote.root)
     key = f"{shard.path}/{HIDDEN}/c/0/0"
     obstore.put(location.store, key, bytes(obstore.get(location.store, key).bytes()) + b"")
-    clear_cache()
+    store.cache.clear()
     obstore.put(location.store, key, bytes(obstore.get(location.store, key).bytes())[:-1] + b"\0")
     with pytest.raises(StoreIntegrityError, match="replaced while the store was read"):
         store.hidden(int(rows[-1]))
@@ -211,12 +207,11 @@ def test_a_steps_chunks_of_one_shard_come_in_one_request(
             monkeypatch.setenv(name, value)
         spec = dataclasses.replace(small_spec, root=f"{counted.bucket()}/teachers.zarr", chunk_bytes=512)
         build_store(spec)
-        clear_cache()
         store = open_store(spec.root)
         shard_of = store._row_locations[0]
         rows = np.flatnonzero(shard_of == 0)
         store.hidden(int(rows[0]))  # the shard's header, checksum list and index, read once
-        chunks._CACHE.clear()
+        store.cache.chunks.clear()
         decoded: list[int] = []
         original = chunks.ArrayReader._decode
         monkeypatch.setattr(

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mopd.store import StoreIntegrityError, open_store
-from mopd.store.arrays.read import ArrayReader, clear_cache
+from mopd.store.arrays.read import ArrayReader
 from tests.store.synthetic import VOCAB_SIZE, StoreSpec, build_store, head_for, hidden_for, tokens_for
 from tests.tolerance import assert_close
 
@@ -101,7 +101,7 @@ def test_lm_head_slice_reads_only_overlapping_chunks(
         chunks.ArrayReader, "_decode", lambda self, i, *data: decoded.append(i) or original(self, i, *data)
     )
     for start, stop in [(0, 16), (15, 17), (40, 100), (290, 300), (100, 100)]:
-        chunks.clear_cache()
+        store.cache.clear()
         decoded.clear()
         assert torch.equal(store.lm_head(math.index, start, stop), full[start:stop])
         needed = list(range(start // 16, -(-stop // 16))) if stop > start else []
@@ -112,7 +112,7 @@ def test_lm_head_slice_reads_only_overlapping_chunks(
             with shard.open("r+b") as f:
                 f.seek(offset)
                 f.write(bytes(size))
-    chunks.clear_cache()
+    store.cache.clear()
     assert torch.equal(store.lm_head(math.index, 40, 100), full[40:100])
     garbled = rf"teachers/{math.index}/lm_head: chunk 7 .* fails its crc32c"
     with pytest.raises(StoreIntegrityError, match=garbled):
@@ -195,12 +195,12 @@ def test_batched_reads_decode_each_chunk_once(small_spec: StoreSpec, monkeypatch
         "_decode",
         lambda self, index, *data: decoded.append((self.label, index)) or original(self, index, *data),
     )
-    clear_cache()
+    store.cache.clear()
     rows, states = store.rows(wanted), store.hiddens(wanted)
     batched = list(decoded)
     decoded.clear()
     for i in wanted.tolist():  # the chunks each row needs, read alone with nothing cached
-        clear_cache()
+        store.cache.clear()
         store.row(i), store.hidden(i)
     # Exactly the chunks the rows need, each once (read alone, the rows decoded 3x as many).
     assert sorted(batched) == sorted(set(decoded)) and len(decoded) > 2 * len(batched)

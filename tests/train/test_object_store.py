@@ -12,7 +12,6 @@ import pytest
 from click.testing import CliRunner
 
 from mopd.cli.main import cli
-from mopd.store.arrays.read import clear_cache
 from mopd.store.format.layout import HIDDEN
 from mopd.store.format.manifest import load_manifest
 from mopd.store.locations.bucket import Bucket
@@ -41,7 +40,6 @@ def test_training_from_a_bucket_gives_the_losses_from_disk_and_resumes(
     upload(world.store, url)
     settings: dict[str, Any] = {"steps": 4, "checkpoint": {"every": 2, "keep": 2}}
     run_training(world_config(world, tmp_path / "disk", **settings), log=lambda _line: None)
-    clear_cache()  # nothing read from disk serves the bucket's reads
     bucket = world_config(world, tmp_path / "bucket", store=url, **settings)  # type: ignore[arg-type]
     assert bucket.store.path == url
     run_training(bucket, max_steps=2, log=lambda _line: None)
@@ -66,7 +64,6 @@ def test_a_damaged_object_stops_training_naming_it(
         data = bytearray(bytes(obstore.get(bucket.store, key).bytes()))
         data[len(data) // 3] ^= 0x10
         obstore.put(bucket.store, key, bytes(data))
-    clear_cache()
     world_config(world, tmp_path, store=url, steps=4)  # type: ignore[arg-type]
     out = CliRunner().invoke(cli, ["train", str(tmp_path / "config.yaml")])
     assert out.exit_code == 1, out.output
