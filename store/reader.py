@@ -8,7 +8,6 @@ refused, and so is a symbolic link anywhere in the store.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -80,6 +79,11 @@ class TeacherStore:
         # The store's folder (a Path), or its URL in a bucket.
         self.root: Path | str = self.location.local_folder() or self.location.url
         self.cache = ChunkCache()  # the decoded chunks this store's reads keep for reuse (bounded)
+        # What the store opened once, kept while it lives: each array's reader, each task folder's part
+        # record, each teacher's encoding (as many as the store has arrays, tasks and teachers).
+        self._arrays: dict[tuple[str, str], ArrayReader] = {}
+        self._parts: dict[str, PartRecord] = {}
+        self._encodings: dict[int, tuple[Encoding, EncodingInfo] | None] = {}
         self.manifest = read_manifest(self.location)
         self._artifacts = {a.path: a for a in self.manifest.artifacts()}
         rows = self._array(self.manifest.rows.path, OFFSETS)
@@ -91,8 +95,12 @@ class TeacherStore:
         self._offsets = rows.read().astype(np.int64)
         self._teachers = {t.index: t for t in self.manifest.teachers}
 
-    @functools.lru_cache(maxsize=256)  # noqa: B019 - the store lives as long as its arrays
     def _array(self, folder: str, name: str = "") -> ArrayReader:
+        if (folder, name) not in self._arrays:
+            self._arrays[folder, name] = self._open_array(folder, name)
+        return self._arrays[folder, name]
+
+    def _open_array(self, folder: str, name: str) -> ArrayReader:
         label = safe_relative(f"{folder}/{name}".rstrip("/"))
         if not self.location.is_folder(label):
             raise StoreIntegrityError(
@@ -105,9 +113,13 @@ class TeacherStore:
         """What the part record of the task folder says of its array `name`."""
         return Recorded.of(self._part(folder).files, name)
 
-    @functools.lru_cache(maxsize=4096)  # noqa: B019 - as `_array` (a few KiB each)
     def _part(self, folder: str) -> PartRecord:
         """The part record of the task folder, proved to be the one the manifest lists."""
+        if folder not in self._parts:
+            self._parts[folder] = self._read_part(folder)
+        return self._parts[folder]
+
+    def _read_part(self, folder: str) -> PartRecord:
         artifact = self._artifacts[folder]
         key = part_key(artifact.task_id)
         path = self.location.describe(key)
@@ -201,13 +213,15 @@ class TeacherStore:
         int8-rotated store's decoded states are rounded to it)."""
         return self.hiddens([i])[0]
 
-    @functools.lru_cache(maxsize=64)  # noqa: B019 - as `_array`
     def encoding(self, teacher_index: int) -> tuple[Encoding, EncodingInfo] | None:
         """An int8-rotated store's encoding of the teacher, and what its fit measured; None in an exact
         store, or for a teacher with no rows."""
-        self.teacher(teacher_index)
-        folder = next((a.path for a in self.manifest.encodings if a.teacher == teacher_index), None)
-        return None if folder is None else read_encoding(self.location, folder, self._part(folder))
+        if teacher_index not in self._encodings:
+            self.teacher(teacher_index)
+            folder = next((a.path for a in self.manifest.encodings if a.teacher == teacher_index), None)
+            found = None if folder is None else read_encoding(self.location, folder, self._part(folder))
+            self._encodings[teacher_index] = found
+        return self._encodings[teacher_index]
 
     def _states(self, shard: ShardArtifact, starts: np.ndarray, stops: np.ndarray) -> torch.Tensor:
         """A shard's states of the token ranges [starts, stops), end to end, decoded when encoded."""
