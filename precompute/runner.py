@@ -20,6 +20,7 @@ import numpy as np
 from mopd.base.batching import pack_batches, select_tasks
 from mopd.base.devices import check_device, rank_device, resolve_device
 from mopd.base.errors import ConfigError
+from mopd.base.fsio import is_temporary
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.precompute import PrecomputeConfig
 from mopd.precompute.backends import HiddenStateSource, TeacherModel, load_teacher
@@ -148,10 +149,12 @@ def ingest_cache(location: Location) -> Path:
 
 
 def publish_ingest_records(location: Location, cache: Path) -> None:
-    """Copies the ingest records of a store in a bucket into it, where `store.provenance` reads them."""
+    """Copies the ingest records of a store in a bucket into it, where `store.provenance` reads them: the
+    published ones, not another job's temporary (renamed or removed at any moment)."""
     if location.local_folder() is None:
         for record in sorted(cache.glob(f"*/{INGEST_RECORD}")):
-            location.write_same(f"{INGEST_DIR}/{record.parent.name}/{INGEST_RECORD}", record.read_bytes())
+            if not is_temporary(record.parent.name):
+                location.write_same(f"{INGEST_DIR}/{record.parent.name}/{INGEST_RECORD}", record.read_bytes())
 
 
 def ingest_rows(

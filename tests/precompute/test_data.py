@@ -205,3 +205,31 @@ def test_a_temporary_published_while_the_cache_is_listed_is_no_error(
     monkeypatch.setattr(Path, "iterdir", lambda self: iter([published, stale]))
     ingest_module._remove_stale(cache)
     assert not stale.exists()
+
+
+def test_a_job_copies_only_published_ingest_records_into_a_bucket(tmp_path: Path) -> None:
+    """Jobs of one bucket store share a machine's ingest cache: another job's temporary, holding its
+    record until the rename, is not a record to copy (one renamed away between the listing and the read
+    failed a job with FileNotFoundError, and one read in time would land in the bucket under a
+    temporary's name)."""
+    from mopd.precompute.runner import publish_ingest_records
+    from mopd.store.format.provenance import INGEST_DIR, INGEST_RECORD
+
+    cache = tmp_path / "cache"
+    for name in ("k1", f"k2.tmp-{'2' * 32}"):
+        (cache / name).mkdir(parents=True)
+        (cache / name / INGEST_RECORD).write_bytes(b"{}")
+
+    class Bucket:
+        def __init__(self) -> None:
+            self.written: list[str] = []
+
+        def local_folder(self) -> None:
+            return None
+
+        def write_same(self, key: str, data: bytes) -> None:
+            self.written.append(key)
+
+    bucket = Bucket()
+    publish_ingest_records(bucket, cache)  # type: ignore[arg-type]
+    assert bucket.written == [f"{INGEST_DIR}/k1/{INGEST_RECORD}"]
