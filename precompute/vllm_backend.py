@@ -128,7 +128,9 @@ def allocate_stage_inputs(llm: Any) -> None:
 
 
 def check_platform(requested: str, device: torch.device) -> None:
-    """Refuses a device the installed vLLM does not run on (a CUDA build asked for the CPU, or back)."""
+    """Refuses a device the installed vLLM does not run on (a CUDA build asked for the CPU, or back), or
+    a vLLM that is not installed (`import_vllm` names the extras)."""
+    import_vllm()
     from vllm.platforms import current_platform
 
     if current_platform.device_type != device.type:
