@@ -62,7 +62,10 @@ def test_smollm2_stores_match(tmp_path: Path) -> None:
 def test_missing_vllm_names_the_extras(
     tmp_path: Path, tiny_teachers: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` meets where it is not installed
+    # What `import vllm` meets where it is not installed: its submodules too, which an earlier test of
+    # this process may have imported (and which a `from vllm.x import` would otherwise still find).
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")] or ["vllm"]:
+        monkeypatch.setitem(sys.modules, name, None)
     data = write_jsonl(tmp_path / "d.jsonl", mixed_records(4))
     config = write_config(tmp_path, four_aliases(tiny_teachers), data=data)
     result = CliRunner().invoke(cli, ["precompute", str(config), "--backend", "vllm"])
