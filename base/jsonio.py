@@ -12,9 +12,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from mopd.base.errors import MopdError
+
+Model = TypeVar("Model", bound=BaseModel)
 
 MAX_RECORD_BYTES = 64 << 20  # a manifest of 1M shards is ~400 MB; 64 MiB covers ~150k shards
 MAX_DEPTH = 32  # the deepest record mopd writes nests 6 levels
@@ -113,3 +117,13 @@ def describe_location(loc: tuple[object, ...]) -> str:
     """A pydantic error location as `a.b.0.c`, with odd keys (spaces, newlines, empty) quoted."""
     parts = [str(p) if str(p).isidentifier() or isinstance(p, int) else ascii(str(p)) for p in loc]
     return ".".join(parts) or "(top level)"
+
+
+def validated(model: type[Model], raw: Any, *, what: str, error: type[MopdError]) -> Model:
+    """`raw` as a `model`, or `error` in one line, `<what>: <field>: <why>`, for the first field that does
+    not fit."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise error(f"{what}: {describe_location(first['loc'])}: {first['msg']}") from err

@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from mopd.base.errors import ConfigError, ManifestError
 from mopd.base.fsio import write_replace, write_replace_with
-from mopd.base.jsonio import describe_location, read_json
+from mopd.base.jsonio import read_json, validated
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.rollout import RoundsConfig
 from mopd.config.train import InitFromConfig, TrainConfig
@@ -76,14 +76,8 @@ def read_round_record(path: Path) -> RoundRecord:
         ConfigError: it does not parse as one.
     """
     raw = read_json(path, what="round record", error=ConfigError)
-    try:
-        return RoundRecord.model_validate(raw)
-    except ValidationError as err:
-        first = err.errors()[0]
-        raise ConfigError(
-            f"{path}: not a round record ({describe_location(first['loc'])}: {first['msg']}); delete it "
-            "to evaluate the round again"
-        ) from err
+    what = f"{path}: malformed round record (delete it to evaluate the round again)"
+    return validated(RoundRecord, raw, what=what, error=ConfigError)
 
 
 class Rounds:

@@ -17,12 +17,11 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
-    ValidationError,
     model_serializer,
 )
 
 from mopd.base.errors import ManifestError, StoreIncompleteError
-from mopd.base.jsonio import MAX_RECORD_BYTES, describe_location, parse_json
+from mopd.base.jsonio import MAX_RECORD_BYTES, parse_json, validated
 from mopd.store.arrays.binding import Recorded
 from mopd.store.format.teachers import TeacherIdentity
 from mopd.store.locations.location import Location, open_location
@@ -338,13 +337,7 @@ def check_format(raw: Any, path: str | Path) -> int:
 
 
 def _validate(model: type[BaseModel], raw: Any, path: str | Path, what: str) -> Any:
-    try:
-        return model.model_validate(raw)
-    except ValidationError as err:
-        first = err.errors()[0]
-        raise ManifestError(
-            f"{path}: malformed {what}: {describe_location(first['loc'])}: {first['msg']}"
-        ) from err
+    return validated(model, raw, what=f"{path}: malformed {what}", error=ManifestError)
 
 
 # A damaged manifest is rebuilt from the part records, which finalize reads again.

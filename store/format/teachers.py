@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from mopd.base.errors import ManifestError
 from mopd.base.fsio import write_replace
-from mopd.base.jsonio import describe_location, read_json
+from mopd.base.jsonio import read_json, validated
 
 TEACHER_LIST_FILE = "teachers.json"
 
@@ -164,10 +164,5 @@ def read_teacher_list(folder: Path) -> list[TeacherIdentity]:
         raise ManifestError(
             f"{path} not found: {folder} is not a mopd training checkpoint (it records no teacher list)"
         ) from err
-    try:
-        listed = _TeacherList.model_validate(raw)
-    except ValidationError as err:
-        first = err.errors()[0]
-        where = describe_location(first["loc"])
-        raise ManifestError(f"{path}: malformed teacher list: {where}: {first['msg']}") from err
+    listed = validated(_TeacherList, raw, what=f"{path}: malformed teacher list", error=ManifestError)
     return [TeacherIdentity(t.index, t.checkpoint, t.fingerprint) for t in listed.teachers]

@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from safetensors.torch import load_file, save_file
 
 from mopd.base import faults
 from mopd.base.completion import COMPLETE, write_complete
 from mopd.base.errors import CheckpointError, MopdError
 from mopd.base.fsio import is_temporary, publish_dir, unique_temp_name, write_replace
-from mopd.base.jsonio import describe_location, read_json
+from mopd.base.jsonio import read_json, validated
 from mopd.store.format.teachers import TeacherIdentity, write_teacher_list
 from mopd.train.backends.groups import RankGroup
 from mopd.train.backends.protocol import MODEL_DIR, StudentLayout, TrainStudent, parameter_groups
@@ -225,12 +225,7 @@ def read_state(folder: Path) -> CheckpointState:
             "stage (layout tp × pp), a format of mopd before 0.1.0 that this version does not read; train "
             "that student again to get a checkpoint of this version"
         )
-    try:
-        return CheckpointState.model_validate(raw)
-    except ValidationError as err:
-        first = err.errors()[0]
-        where = describe_location(first["loc"])
-        raise CheckpointError(f"{path}: malformed checkpoint state: {where}: {first['msg']}") from err
+    return validated(CheckpointState, raw, what=f"{path}: malformed checkpoint state", error=CheckpointError)
 
 
 def load_checkpoint(
