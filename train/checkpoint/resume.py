@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from mopd.base.completion import check_complete
 from mopd.base.errors import CheckpointError, ConfigError, ManifestError
@@ -19,7 +18,7 @@ from mopd.config.train import InitFromConfig
 from mopd.store.format.teachers import TeacherIdentity, diff_teacher_lists, read_teacher_list
 from mopd.train.backends.groups import RankGroup
 from mopd.train.backends.protocol import StudentLayout
-from mopd.train.checkpoint.run_record import diff_run_records
+from mopd.train.checkpoint.run_record import RunRecord, diff_run_records
 from mopd.train.checkpoint.state import (
     CheckpointState,
     latest_checkpoint,
@@ -36,7 +35,7 @@ class RunIdentity:
 
     store: Path | str  # the store's folder or URL, for messages
     teachers: list[TeacherIdentity]  # the store's teacher list
-    run: dict[str, Any]  # the run record: the store's identity and every recorded setting
+    run: RunRecord  # the store's identity and every recorded setting
     layout: StudentLayout  # the student's backend and checkpoint format
 
 

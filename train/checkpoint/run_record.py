@@ -4,9 +4,9 @@ or the objective; a resume with any of it changed is refused (which may change: 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
 
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, JsonValue, TypeAdapter
 
 from mopd.config.train import TrainConfig
 from mopd.store.format.manifest import Manifest
@@ -46,7 +46,12 @@ def _flatten(prefix: str, section: BaseModel, out: dict[str, Any]) -> None:
             out[f"{prefix}.{name}"] = TypeAdapter(Any).dump_python(value, mode="json")
 
 
-def run_record(tc: TrainConfig, manifest: Manifest) -> dict[str, Any]:
+# Dotted setting names (and the store's identity) → their JSON values: flat, so that a difference names
+# its field.
+RunRecord: TypeAlias = dict[str, JsonValue]
+
+
+def run_record(tc: TrainConfig, manifest: Manifest) -> RunRecord:
     """The fields a resume must find unchanged, as dotted names → JSON values."""
     fields: dict[str, Any] = {}
     _flatten("train", tc, fields)
@@ -57,7 +62,7 @@ def run_record(tc: TrainConfig, manifest: Manifest) -> dict[str, Any]:
     return dict(sorted(fields.items()))
 
 
-def diff_run_records(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+def diff_run_records(recorded: RunRecord, current: RunRecord) -> list[str]:
     """One line per field whose value differs: `name: A in the checkpoint, B now`."""
     lines = []
     for name in sorted(set(recorded) | set(current)):

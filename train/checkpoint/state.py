@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from safetensors.torch import load_file, save_file
 
 from mopd.base import faults
@@ -25,6 +25,7 @@ from mopd.base.jsonio import read_json, validated
 from mopd.store.format.teachers import TeacherIdentity, write_teacher_list
 from mopd.train.backends.groups import RankGroup
 from mopd.train.backends.protocol import MODEL_DIR, StudentLayout, TrainStudent, parameter_groups
+from mopd.train.checkpoint.run_record import RunRecord
 from mopd.train.data.order import LoaderState
 
 _NAME = re.compile(r"^step_(\d{8})$")
@@ -67,7 +68,7 @@ def save_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     loader: LoaderState,
     teachers: Sequence[TeacherIdentity],
-    run: dict[str, Any],
+    run: RunRecord,
     keep: int,
     world: RankGroup | None = None,
     tracking: dict[str, str] | None = None,
@@ -130,7 +131,7 @@ def _write_run_state(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     loader: LoaderState,
     teachers: Sequence[TeacherIdentity],
-    run: dict[str, Any],
+    run: RunRecord,
     tracking: dict[str, str],
 ) -> None:
     """The files every rank shares: RNG, state.json, the teacher list, then the COMPLETE marker."""
@@ -186,6 +187,24 @@ class LoaderRecord(BaseModel):
     step_in_epoch: Count
 
 
+class SchedulerRecord(BaseModel):
+    """The learning-rate schedule's state, as torch's LambdaLR keeps it: the rates it scales and the
+    step it stands at (typed: mopd reads them), and torch's private counters (passed back as they are;
+    the lambdas are the run's own)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    base_lrs: list[float]
+    last_epoch: StrictInt
+
+    @model_validator(mode="after")
+    def _only_torch_counters(self) -> SchedulerRecord:
+        unknown = sorted(k for k in self.model_extra or {} if not k.startswith("_"))
+        if unknown:
+            raise ValueError(f"not a field of the schedule's state: {', '.join(unknown)}")
+        return self
+
+
 class CheckpointState(BaseModel):
     """A checkpoint's state.json, read once (`read_state`): where the run stands, what it was trained on
     and by which layout (the optimizer's own fields are torch's to check)."""
@@ -195,9 +214,9 @@ class CheckpointState(BaseModel):
     step: Count
     loader: LoaderRecord
     param_groups: list[dict[str, Any]]
-    scheduler: dict[str, Any]
+    scheduler: SchedulerRecord
     layout: StudentLayout = StudentLayout()
-    run: dict[str, Any] = {}  # the run record (`run_record.run_record`)
+    run: RunRecord = {}  # the run record (`run_record.run_record`)
     tracking: dict[str, str] = {}  # tracker → the identity of its run (`tracking.Trackers`)
 
     @property
@@ -239,7 +258,8 @@ def load_checkpoint(
     """Restores model, optimizer, scheduler and RNG from `folder`, whose `state` the caller read and
     checked (`resume.resume_checkpoint`); returns the step and loader state."""
     load_weights(folder, state, student, optimizer, hyper_parameters=True)
-    scheduler.load_state_dict({**state.scheduler, "lr_lambdas": [None] * len(optimizer.param_groups)})
+    lambdas = [None] * len(optimizer.param_groups)
+    scheduler.load_state_dict({**state.scheduler.model_dump(), "lr_lambdas": lambdas})
     follow_schedule(scheduler, state.step)
     rng = load_file(str(folder / "rng.safetensors"))
     torch.set_rng_state(rng["cpu"])
