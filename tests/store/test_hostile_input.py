@@ -197,7 +197,7 @@ VALID_STATE = {
     "step": 3,
     "loader": {"seed": 0, "epoch": 0, "step_in_epoch": 3},
     "param_groups": [{"lr": 0.001, "betas": [0.9, 0.999], "params": [0, 1]}],
-    "scheduler": {"last_epoch": 3},
+    "scheduler": {"base_lrs": [0.001], "last_epoch": 3, "_step_count": 4},
     "layout": {"backend": "hf"},
     "run": {"train.seed": 0},
 }
