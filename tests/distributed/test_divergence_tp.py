@@ -224,3 +224,76 @@ def test_padded_vocabularies_equal_the_reference_over_the_real_tokens(world: int
     head = torch.cat([r["grad_head"] for r in results])
     assert_tp_parity(head[:TOKENS], reference.student_head.grad, "grad_head", case=reference)
     assert torch.equal(head[TOKENS:], torch.zeros_like(head[TOKENS:]))  # past the tokens: no gradient
+
+
+def run_projected(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
+    """A teacher of another vocabulary (tests/train/test_projected_divergence.cross_case) with the
+    student's 41 tokens split over `world` ranks (the last slice padded): each rank projects the whole
+    teacher distribution onto its slice."""
+    from mopd.train.kernel.projected import projected_divergence
+    from tests.train.test_projected_divergence import TEMPERATURE, cross_case
+
+    case = cross_case()
+    out = {}
+    for kind in KINDS_TP:
+        hs = case.student_hidden.clone().requires_grad_()
+        ws, start = shard(case.student_head, rank, world)
+        ws.requires_grad_()
+        result = projected_divergence(
+            hs,
+            ws,
+            case.teacher_hidden,
+            case.teacher_head,
+            case.projection,
+            kind=kind,
+            temperature=TEMPERATURE,
+            weights=case.weights,
+            chunk_size=5,
+            tp_group=dist.group.WORLD if world > 1 else None,
+            vocab_start=start,
+            vocab_size=case.projection.student_vocab,
+            teacher_transform=case.transform,
+        )
+        result.loss.backward()
+        assert ws.grad is not None
+        real = max(0, min(ws.shape[0], case.projection.student_vocab - start))
+        out[kind] = {
+            "loss": result.loss.detach(),
+            "per_token": result.per_token,
+            "grad_hidden": hs.grad,
+            "grad_head": ws.grad[:real],
+        }
+    return out
+
+
+def test_projected_teacher_under_tensor_parallelism_equals_single_process() -> None:
+    """TP = 2 over gloo against TP = 1, every kind: the values within `value_bound` (the same fp32
+    computation with the student's softmax statistics summed in another order), the gradients within
+    the sums of ≤ Vs + N terms taken in another order (as `assert_tp_parity`)."""
+    from tests.train.test_projected_divergence import cross_case, value_bound
+
+    results = run_distributed(run_projected, world_size=2, timeout=120)
+    dense = run_projected(0, 1)
+    case = cross_case()
+    terms = case.projection.student_vocab + case.student_hidden.shape[0]
+    for kind in KINDS_TP:
+        for rank in range(2):
+            for name in ("loss", "per_token"):
+                assert_close(
+                    results[rank][kind][name],
+                    dense[kind][name],
+                    atol=value_bound(case),
+                    what=f"{kind} {name}",
+                )
+            got = results[rank][kind]["grad_hidden"]
+            assert_close(
+                got,
+                dense[kind]["grad_hidden"],
+                rtol=2 * sum_rtol(terms),
+                norm=True,
+                what=f"{kind} grad_hidden",
+            )
+        head = torch.cat([results[r][kind]["grad_head"] for r in range(2)])
+        assert_close(
+            head, dense[kind]["grad_head"], rtol=2 * sum_rtol(terms), norm=True, what=f"{kind} grad_head"
+        )

@@ -187,6 +187,13 @@ class _SoftTargets(_ChunkObjective):
             self.operand = (teacher, operand(self.heads[teacher], native))
         return self.operand[1]
 
+    def teacher_logits(
+        self, hidden_CH: torch.Tensor, teacher: int, out_CV: torch.Tensor, plan: _Plan
+    ) -> None:
+        """Teacher `teacher`'s tempered logits of a run of the chunk's tokens into `out_CV`."""
+        mm(hidden_CH, self._head(teacher, plan.native).T, out=out_CV)
+        _temper(self.transforms[teacher].apply_(out_CV), plan.temperature)
+
     def value_and_grad(
         self, full: dict[str, torch.Tensor], span: slice, scale_C: torch.Tensor, plan: _Plan
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,10 +206,8 @@ class _SoftTargets(_ChunkObjective):
         for t, count in zip(teachers.tolist(), counts.tolist(), strict=True):
             first = self.cursor[t]
             self.cursor[t] += count
-            block = buffers["zt"][row : row + count]
             hidden = operand(self.rows[t][first : self.cursor[t]], plan.native)
-            mm(hidden, self._head(t, plan.native).T, out=block)
-            _temper(self.transforms[t].apply_(block), plan.temperature)
+            self.teacher_logits(hidden, t, buffers["zt"][row : row + count], plan)
             row += count
             if self.cursor[t] == self.rows[t].shape[0]:
                 self.operand = None  # this teacher's tokens are done
