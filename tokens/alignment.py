@@ -9,7 +9,7 @@ longest common runs (difflib), and a token starting at an unmatched unit has no 
 
 Between two consecutive aligned boundaries lies a *span*: the same bytes, tokenised as one run of
 student tokens and one run of teacher tokens. A span's likelihood is comparable across vocabularies
-(the span loss, `train.cross_tokenizer.span_weight`), so positions that no aligned teacher position
+(the span loss of `train/kernel/spans.py`), so positions that no aligned teacher position
 can supervise still get a signal. A span counts only when its bytes are the same on both sides.
 
 All functions here are pure: lists in, lists out, no tokenizer.

@@ -243,3 +243,63 @@ def test_mismatched_inputs_are_refused() -> None:
             case.teacher_head[:58],
             case.projection,
         )
+
+
+def test_span_likelihood_match_equals_autograd_in_float64() -> None:
+    """The span loss and its gradients against log_softmax + gather + sums under float64 autograd: the
+    student's log-probabilities round as one token's hard-label value (`value_atol` over Vs, summed over
+    a span's ≤ 4 tokens), the teacher's likewise over Vt."""
+    from mopd.train.kernel.spans import span_likelihood_match, span_sums, teacher_log_probs
+
+    case = cross_case()
+    g = torch.Generator().manual_seed(9)
+    num_tokens, vs = case.student_hidden.shape[0], case.student_head.shape[0]
+    targets = torch.randint(0, vs, (num_tokens,), generator=g)
+    span_of = torch.tensor([0, 0, 1, -1, 2, 2, 2, 3, 4, 4, 5, 6, 6, 6, 6, -1, 7])
+    teacher_targets = torch.randint(0, 59, (num_tokens,), generator=g)
+    teacher_span = torch.tensor([0, 1, 1, 2, 3, 3, 4, 5, 5, 6, 7, -1, -1, 2, 4, 6, 7])
+    span_weights = torch.rand(8, generator=g)
+    teacher_lp = teacher_log_probs(
+        case.teacher_hidden, case.teacher_head[:59], teacher_targets, transform=case.transform, chunk_size=4
+    )
+    teacher_ll = span_sums(teacher_lp, teacher_span, 8)
+    hs = case.student_hidden.clone().requires_grad_()
+    ws = case.student_head.clone().requires_grad_()
+    out = span_likelihood_match(hs, ws, targets, span_of, teacher_ll, span_weights, chunk_size=5)
+    out.loss.backward()
+
+    hs64 = case.student_hidden.double().requires_grad_()
+    ws64 = case.student_head.double().requires_grad_()
+    lp = (hs64 @ ws64.T).log_softmax(1).gather(1, targets[:, None])[:, 0]
+    tz = case.transform.apply(case.teacher_hidden.double() @ case.teacher_head[:59].double().T)
+    tlp = tz.log_softmax(1).gather(1, teacher_targets[:, None])[:, 0]
+    gap = torch.zeros(8, dtype=torch.float64).index_add(0, span_of[span_of >= 0], lp[span_of >= 0])
+    gap = gap - torch.zeros(8, dtype=torch.float64).index_add(
+        0, teacher_span[teacher_span >= 0], tlp[teacher_span >= 0]
+    )
+    want = (span_weights.double() * 0.5 * gap.square()).sum()
+    want.backward()
+    zs = case.student_hidden.double() @ case.student_head.double().T
+    bound = 4 * (
+        value_atol(vs, float((zs.amax(1) - zs.amin(1)).max()))
+        + value_atol(59, float((tz.amax(1) - tz.amin(1)).max()))
+    )
+    assert_close(
+        out.per_token,
+        0.5 * gap.detach().square(),
+        atol=bound * float(gap.detach().abs().max() + bound),
+        what="per span",
+    )
+    assert_close(
+        out.loss,
+        want,
+        atol=bound * float((span_weights * gap.detach().abs().float()).sum() + bound),
+        what="span loss",
+    )
+    scale = bound * float(span_weights.max())  # each token's weight w·gap, off by ≤ w·bound
+    for name, got, ref, operand in (
+        ("grad_hidden", hs.grad, hs64.grad, case.student_head),
+        ("grad_head", ws.grad, ws64.grad, case.student_hidden),
+    ):
+        atol = 2 * scale * float(operand.abs().max()) * (num_tokens if name == "grad_head" else 1)
+        assert_close(got, ref, atol=atol, rtol=sum_rtol(vs + num_tokens), norm=True, what=name)
