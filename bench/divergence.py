@@ -7,6 +7,7 @@ timed. Peak memory = resident high-water mark during the timed step minus the re
 install it with `pip install --no-deps liger-kernel` (bench-only).
 
     python bench/divergence.py [--sizes 1024 4096 8192 16384] [--chunk 256]
+    python bench/divergence.py --cross-tokenizer --chunk 512   # a teacher of another vocabulary
 """
 
 from __future__ import annotations
@@ -67,6 +68,19 @@ def run_variant(
                     torch.mm(hidden[0][rows], heads[0].T, out=teacher_logits[:size])
                     grad_hs[rows] = logits[:size] @ ws
                     grad_ws.addmm_(logits[:size].T, hs[rows])
+    elif variant == "projected":
+        # A teacher of GPT-2's 50,257 tokens projected onto SmolLM2's 49,152 (the real pair's first-token
+        # projection, built before the timed step): the same-tokenizer kernel's work plus the teacher's
+        # own softmax and the projection's scatter per chunk.
+        from mopd.train.kernel.projected import projected_divergence
+
+        assert teachers == 1
+        projection = real_projection()
+        cross_head = (torch.randn(projection.teacher_vocab, HIDDEN) * 0.04).to(dtype)
+
+        def step() -> None:
+            out = projected_divergence(hs, ws, hidden[0], cross_head, projection, chunk_size=chunk)
+            out.loss.backward()
     elif variant == "eager":
         from mopd.train.kernel.reference import reference_divergence
 
@@ -98,6 +112,40 @@ def run_variant(
     step()
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "peak_bytes": rss_bytes("VmHWM") - before}
+
+
+def real_projection() -> Any:
+    """GPT-2's vocabulary (openai-whisper's assets) onto SmolLM2's, mopd's first-token projection."""
+    from transformers import AutoTokenizer
+
+    from mopd.precompute.packaged_models import gpt2_tokenizer, smollm2_checkpoint
+    from mopd.tokens.pieces import token_table
+    from mopd.tokens.projection import first_token_projection
+
+    gpt2 = AutoTokenizer.from_pretrained(gpt2_tokenizer())
+    smol = AutoTokenizer.from_pretrained(smollm2_checkpoint())
+    return first_token_projection(token_table(gpt2), smol, token_table(smol))
+
+
+def cross_tokenizer(args: argparse.Namespace) -> None:
+    """A teacher of another vocabulary against one of the student's, N=4096, interleaved repeats."""
+    runs: dict[str, list[dict[str, Any]]] = {"fused": [], "projected": []}
+    for _ in range(args.repeats):
+        for variant in runs:
+            runs[variant].append(measure(variant, 4096, args.chunk))
+    best = {k: min((r for r in v if ok(r)), key=lambda r: r["seconds"]) for k, v in runs.items()}
+    write_results(
+        args.out.with_name("divergence-cross-tokenizer.json"), chunk=args.chunk, best=best, runs=runs
+    )
+    gib = 2.0**30
+    same, cross = best["fused"], best["projected"]
+    print(f"N=4096, fp32, V=49152 student, H={HIDDEN}, chunk {args.chunk}, fwd+bwd, best of {args.repeats}")
+    for name, r in (("same tokenizer (V_t=49152)", same), ("projected (V_t=50257, GPT-2)", cross)):
+        print(f"{name + ':':30s}{r['seconds']:.2f} s, {r['peak_bytes'] / gib:.2f} GiB above inputs")
+    print(
+        f"projected / same: {cross['seconds'] / same['seconds']:.2f}x time, "
+        f"{cross['peak_bytes'] / same['peak_bytes']:.2f}x peak extra memory"
+    )
 
 
 def measure(
@@ -219,6 +267,11 @@ def main() -> None:
         help="instead: fused and its GEMMs alone at N=8192 over these chunks, then at --chunk (mopd's "
         "default) Liger, the compiled chain, and bf16 inputs with one and four teachers at N=4096",
     )
+    parser.add_argument(
+        "--cross-tokenizer",
+        action="store_true",
+        help="instead: a teacher of another vocabulary (projected) against the same-tokenizer kernel",
+    )
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     global MEM_LIMIT_GIB
@@ -232,6 +285,9 @@ def main() -> None:
         return
     if args.chunk_sweep:
         chunk_sweep(args)
+        return
+    if args.cross_tokenizer:
+        cross_tokenizer(args)
         return
 
     results: dict[str, dict[str, dict[str, float] | None]] = {}

@@ -9,7 +9,7 @@ projection file in the same form (`train.cross_tokenizer.projection`: safetensor
 
 What is lost: a teacher token the student would spell in several tokens gives its mass to the first of
 them only, and a student token no teacher token starts with gets none (the divergence then runs over the
-student tokens that some teacher token reaches; docs/cross-tokenizer.md). A teacher token with no image
+student tokens that some teacher token reaches; train/kernel/projected.py). A teacher token with no image
 (a special with no student role, a byte no student token starts with) has its mass dropped, and the
 divergence renormalises what is left.
 """

@@ -198,7 +198,7 @@ def test_projected_distributions_sum_to_one_where_the_tail_underflows() -> None:
     local = LocalProjection.of(
         full, vocab_start=0, local_vocab=full.student_vocab, device=torch.device("cpu")
     )
-    out = project_log_probs(logp, local, torch.empty(logp.shape[0], full.student_vocab))
+    out = project_log_probs(logp.T.contiguous(), local, torch.empty(logp.shape[0], full.student_vocab))
     reached = local.reached
     assert torch.isfinite(out[:, reached]).all() and (out[:, ~reached] == float("-inf")).all()
     total = torch.logsumexp(out.double(), 1)
@@ -212,9 +212,10 @@ def test_tensor_parallel_slices_project_onto_their_columns_only() -> None:
     halves = [
         LocalProjection.of(p, vocab_start=s, local_vocab=21, device=torch.device("cpu")) for s in (0, 21)
     ]
-    assert sum(h.source.shape[0] for h in halves) == p.source.shape[0]
+    assert sum(h.single_source.shape[0] + h.multi_source.shape[0] for h in halves) == p.source.shape[0]
     assert torch.equal(torch.cat([h.reached for h in halves])[:41], p.reached())
-    assert all(int(h.column.max()) < 21 for h in halves)
+    assert all(int(torch.cat([h.single_column, h.multi_columns]).max()) < 21 for h in halves)
+    assert all(h.single_source.numel() and h.multi_source.numel() for h in halves)  # both paths run
 
 
 def test_mismatched_inputs_are_refused() -> None:

@@ -15,7 +15,7 @@ are local) and projects it onto its own slice, so the projected mass of each stu
 on its rank. The cost is the teacher GEMM repeated on each rank, in exchange for no [C, V] collective.
 
 Legend: C tokens in a chunk, Vt the teacher's vocabulary, V this rank's student slice, E the
-projection's entries landing in it.
+projection's entries landing in it, K the columns that several entries reach.
 """
 
 from __future__ import annotations
@@ -42,14 +42,20 @@ from mopd.train.kernel.gemm import mm, native_gemms
 
 @dataclass(frozen=True)
 class LocalProjection:
-    """The entries of a projection landing in one rank's student slice: teacher token `source[e]` gives
-    weight exp(`log_weight[e]`) to local column `column[e]`; `reached` [V] marks columns with any."""
+    """The entries of a projection landing in one rank's student slice, split by what their column
+    needs. A column reached by one entry takes that entry's term as it is (`single_*`: teacher token,
+    local column, log weight); a column reached by several takes a log-sum-exp over them (`multi_*`:
+    teacher token, the column's slot in `multi_columns`, log weight). `reached` [V] marks columns with
+    any entry."""
 
-    source: torch.Tensor
-    column: torch.Tensor
-    log_weight: torch.Tensor
+    single_source: torch.Tensor
+    single_column: torch.Tensor
+    single_log_weight: torch.Tensor
+    multi_source: torch.Tensor
+    multi_slot: torch.Tensor
+    multi_log_weight: torch.Tensor
+    multi_columns: torch.Tensor
     reached: torch.Tensor
-    teacher_vocab: int
 
     @classmethod
     def of(
@@ -60,29 +66,47 @@ class LocalProjection:
             & (projection.target < vocab_start + local_vocab)
             & (projection.weight > 0)
         )
-        column = (projection.target[keep] - vocab_start).to(device)
-        reached = torch.zeros(local_vocab, dtype=torch.bool, device=device)
-        reached[column] = True
+        source, column = projection.source[keep], projection.target[keep] - vocab_start
+        log_weight = projection.weight[keep].log()
+        counts = torch.bincount(column, minlength=local_vocab)
+        single = counts[column] == 1
+        multi_columns, multi_slot = torch.unique(column[~single], return_inverse=True)
         return cls(
-            source=projection.source[keep].to(device),
-            column=column,
-            log_weight=projection.weight[keep].log().to(device),
-            reached=reached,
-            teacher_vocab=projection.teacher_vocab,
+            single_source=source[single].to(device),
+            single_column=column[single].to(device),
+            single_log_weight=log_weight[single].to(device),
+            multi_source=source[~single].to(device),
+            multi_slot=multi_slot.to(device),
+            multi_log_weight=log_weight[~single].to(device),
+            multi_columns=multi_columns.to(device),
+            reached=(counts > 0).to(device),
         )
 
 
-def project_log_probs(logp_CVt: torch.Tensor, local: LocalProjection, out_CV: torch.Tensor) -> torch.Tensor:
+def project_log_probs(logp_VtC: torch.Tensor, local: LocalProjection, out_CV: torch.Tensor) -> torch.Tensor:
     """log p̃ [C, V] = logsumexp over each column's entries of log p_t(source) + log weight, into `out_CV`
-    (−inf where no entry lands). Per column, the largest term is subtracted before the exps: the sum of
-    a column's exps is ≥ 1, so its log is finite whatever the teacher's tail."""
-    rows = logp_CVt.shape[0]
-    terms_CE = logp_CVt.index_select(1, local.source).add_(local.log_weight)
-    column_CE = local.column.expand(rows, -1)
-    out_CV.fill_(float("-inf")).scatter_reduce_(1, column_CE, terms_CE, "amax")
-    terms_CE.sub_(out_CV.gather(1, column_CE)).exp_()
-    sums_CV = torch.zeros_like(out_CV).scatter_add_(1, column_CE, terms_CE)
-    return out_CV.add_(sums_CV.log_())
+    (−inf where no entry lands), from the teacher's log-probabilities laid out [Vt, C].
+
+    A column of several entries has its largest term subtracted before the exps: the sum of its exps
+    is then ≥ 1, so its log is finite whatever the teacher's tail. The work runs in the [vocabulary, C]
+    layout, whole rows of C at a time: gathering and scattering single elements along the vocabulary
+    of a [C, V] tensor is several times slower on a CPU (bench/README.md, "Cross-tokenizer kernel").
+    """
+    columns = out_CV.shape[1]
+    out_VC = torch.full((columns, out_CV.shape[0]), float("-inf"), dtype=out_CV.dtype, device=out_CV.device)
+    singles_EC = logp_VtC.index_select(0, local.single_source).add_(local.single_log_weight[:, None])
+    out_VC.index_copy_(0, local.single_column, singles_EC)
+    if local.multi_columns.numel():
+        terms_EC = logp_VtC.index_select(0, local.multi_source).add_(local.multi_log_weight[:, None])
+        slot_EC = local.multi_slot[:, None].expand(-1, terms_EC.shape[1])
+        shape = (local.multi_columns.shape[0], terms_EC.shape[1])
+        max_KC = torch.full(shape, float("-inf"), dtype=terms_EC.dtype, device=terms_EC.device)
+        max_KC.scatter_reduce_(0, slot_EC, terms_EC, "amax")
+        terms_EC.sub_(max_KC.index_select(0, local.multi_slot)).exp_()
+        sums_KC = torch.zeros(shape, dtype=terms_EC.dtype, device=terms_EC.device)
+        sums_KC.index_add_(0, local.multi_slot, terms_EC)
+        out_VC.index_copy_(0, local.multi_columns, max_KC.add_(sums_KC.log_()))
+    return out_CV.copy_(out_VC.T)
 
 
 class _ProjectedTargets(_SoftTargets):
@@ -95,12 +119,14 @@ class _ProjectedTargets(_SoftTargets):
     def teacher_logits(
         self, hidden_CH: torch.Tensor, teacher: int, out_CV: torch.Tensor, plan: _Plan
     ) -> None:
+        # The teacher's logits laid out [Vt, C] (the same GEMM, transposed), so that the projection
+        # reads and writes whole rows; its softmax is per column.
         head = self._head(teacher, plan.native)
-        shape = (hidden_CH.shape[0], head.shape[0])
-        logits_CVt = mm(hidden_CH, head.T, out=torch.empty(shape, dtype=torch.float32, device=out_CV.device))
-        _temper(self.transforms[teacher].apply_(logits_CVt), plan.temperature)
-        logp_CVt = logits_CVt.sub_(torch.logsumexp(logits_CVt, 1, keepdim=True))  # the teacher's own softmax
-        project_log_probs(logp_CVt, self.local, out_CV)
+        shape = (head.shape[0], hidden_CH.shape[0])
+        logits_VtC = mm(head, hidden_CH.T, out=torch.empty(shape, dtype=torch.float32, device=out_CV.device))
+        _temper(self.transforms[teacher].apply_(logits_VtC), plan.temperature)
+        logp_VtC = logits_VtC.sub_(torch.logsumexp(logits_VtC, 0, keepdim=True))
+        project_log_probs(logp_VtC, self.local, out_CV)
 
 
 def _check_projected(
