@@ -29,6 +29,13 @@ import pyarrow.compute as pc
 
 from mopd.base.errors import ConfigError
 from mopd.config.precompute import DataConfig, RoutingConfig
+from mopd.precompute.cross_rows import (
+    CROSS_COLUMNS,
+    CrossTokenizers,
+    cross_columns,
+    empty_columns,
+    refuse_given_ids,
+)
 from mopd.precompute.routing import route
 from mopd.precompute.row_checks import check_number_columns, check_row_format, given_ids, given_mask
 
@@ -78,6 +85,12 @@ class TokenizedRows:
         self.teacher_index = table.column("teacher_index").to_numpy().astype(np.int64)
         self.lengths = np.diff(self.input_ids.offsets)
         self.input_format: str = meta["input_format"]
+        # Rows of a store with teachers of other tokenizers: the `cross_rows.CROSS_COLUMNS`, by name.
+        self.cross = {
+            name: RaggedColumn(table.column(name), np.dtype(dtype).type)
+            for name, dtype in CROSS_COLUMNS.items()
+            if name in table.column_names
+        }
         self.num_truncated: int = meta["num_truncated"]
         self.num_dropped: int = meta["num_dropped"]
         self._fingerprint: str = meta["fingerprint"]
@@ -109,6 +122,14 @@ class TokenizedRows:
     @property
     def num_rows(self) -> int:
         return int(self.lengths.shape[0])
+
+    def token_rows(self, own: bool) -> tuple[RaggedColumn, np.ndarray]:
+        """The token rows a teacher reads and their lengths: the store's, or (`own`: a teacher of another
+        tokenizer) its own."""
+        if not own:
+            return self.input_ids, self.lengths
+        column = self.cross["teacher_ids"]
+        return column, np.diff(column.offsets)
 
     @property
     def num_trained(self) -> int:
@@ -274,15 +295,16 @@ ROW_FEATURES = {
 }
 
 
-def _row_features() -> Any:
+def _row_features(cross: bool) -> Any:
     import datasets
 
-    return datasets.Features(
-        {
-            name: datasets.List(datasets.Value(dtype)) if kind == "list" else datasets.Value(dtype)
-            for name, (kind, dtype) in ROW_FEATURES.items()
-        }
-    )
+    features = {
+        name: datasets.List(datasets.Value(dtype)) if kind == "list" else datasets.Value(dtype)
+        for name, (kind, dtype) in ROW_FEATURES.items()
+    }
+    if cross:  # the columns exist only in rows of a store with teachers of other tokenizers
+        features |= {name: datasets.List(datasets.Value(dtype)) for name, dtype in CROSS_COLUMNS.items()}
+    return datasets.Features(features)
 
 
 def _tokenize_batch(
@@ -296,12 +318,15 @@ def _tokenize_batch(
     agent_to_alias: Mapping[str, str],
     alias_index: Mapping[str, int],
     contexts: Mapping[int, int],
+    cross: CrossTokenizers | None = None,
 ) -> dict[str, list[Any]]:
     """One `datasets.map` batch: tokenise, route, apply the length policy (a dropped row is left out of
     the output). A row's limit is data.max_length, and its teacher's context where that is shorter:
     the states a teacher computes past its context are not its distribution. `indices` are the rows'
-    positions in the source, which errors name."""
-    out: dict[str, list[Any]] = {name: [] for name in ROW_FEATURES}
+    positions in the source, which errors name. A row routed to a teacher of another tokenizer (`cross`)
+    is tokenised by that teacher too, and the two tokenisations aligned (`cross_rows`)."""
+    names = [*ROW_FEATURES, *(CROSS_COLUMNS if cross is not None else ())]
+    out: dict[str, list[Any]] = {name: [] for name in names}
     agents = [str(batch[routing.field][k]) if routing.field in batch else "" for k in range(len(indices))]
     teachers = route(agents, routing, agent_to_alias, alias_index, row_ids=indices)
     for k, (i, (ids, mask)) in enumerate(
@@ -310,12 +335,20 @@ def _tokenize_batch(
         if ids.shape[0] == 0:
             raise ConfigError(f"row {i} tokenizes to no tokens")
         limit = min(data.max_length, contexts.get(int(teachers[k]), data.max_length))
+        teacher = _teacher_row(batch, k, i, int(teachers[k]), input_format, cross)
         truncated = ids.shape[0] > limit
+        if data.overlong == "drop" and (truncated or (teacher is not None and teacher[0].shape[0] > limit)):
+            continue
         if truncated:
-            if data.overlong == "drop":
-                continue
             ids, mask = ids[:limit], mask[:limit].copy()
             mask[-1] = 0  # its next token was cut off
+        if cross is not None:
+            columns = empty_columns()
+            if teacher is not None:
+                table = cross.teachers[int(teachers[k])][1]
+                columns = cross_columns((ids, mask), teacher, table=table, cross=cross, limit=limit)
+            for name, values in columns.items():
+                out[name].append(values)
         key = batch["id"][k] if "id" in batch else None
         out["input_ids"].append(ids.astype(np.int32))
         out["loss_mask"].append(mask.astype(np.uint8))
@@ -327,8 +360,30 @@ def _tokenize_batch(
     return out
 
 
+def _teacher_row(
+    batch: Mapping[str, list[Any]],
+    k: int,
+    row: int,
+    teacher: int,
+    input_format: str,
+    cross: CrossTokenizers | None,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Record k tokenised by its teacher's own tokenizer, where that is not the store's; else None."""
+    if cross is None or teacher not in cross.teachers:
+        return None
+    if input_format == "input_ids":
+        refuse_given_ids(row, teacher)
+    record = {name: [values[k]] for name, values in batch.items()}
+    return _tokenize_records(record, input_format, cross.teachers[teacher][0], [row])[0]
+
+
 def _map_rows(
-    records: Any, tokenize: Any, processes: int | None, show_progress: bool, cache_file: Path | None
+    records: Any,
+    tokenize: Any,
+    processes: int | None,
+    show_progress: bool,
+    cache_file: Path | None,
+    cross: bool,
 ) -> Any:
     """`tokenize` over every row, in batches (`datasets.map`), into Arrow; the source's row order."""
     import datasets
@@ -343,7 +398,7 @@ def _map_rows(
             batch_size=1000,
             with_indices=True,
             remove_columns=list(records.column_names),
-            features=_row_features(),
+            features=_row_features(cross),
             num_proc=processes,
             cache_file_name=str(cache_file) if cache_file is not None else None,
             load_from_cache_file=False,
@@ -366,6 +421,7 @@ def tokenize_dataset(
     num_proc: int | None = None,
     show_progress: bool = False,
     cache_file: Path | None = None,
+    cross: CrossTokenizers | None = None,
 ) -> TokenizedRows:
     """Tokenizes, applies the max_length policy and routes every row (a batched `datasets.map`).
 
@@ -374,6 +430,7 @@ def tokenize_dataset(
             it as to data.max_length (cut or dropped by data.overlong).
         num_proc: tokenising processes (None or 1: this one). The output's row order is the source's.
         cache_file: where `map` writes its Arrow output (None: memory, or datasets' own cache).
+        cross: the tokenizers of the teachers of other tokenizers (None: there are none).
 
     Raises:
         ConfigError: empty dataset, unsupported columns, missing routing column, unknown agent.
@@ -398,9 +455,11 @@ def tokenize_dataset(
         agent_to_alias=dict(agent_to_alias),
         alias_index=dict(alias_index),
         contexts=dict(contexts or {}),
+        cross=cross,
     )
     worth_it = num_proc is not None and num_proc > 1 and len(records) >= _ROWS_PER_PROCESS * num_proc
-    mapped = _map_rows(records, tokenize, num_proc if worth_it else None, show_progress, cache_file)
+    processes = num_proc if worth_it else None
+    mapped = _map_rows(records, tokenize, processes, show_progress, cache_file, cross is not None)
     if len(mapped) == 0:
         raise ConfigError(
             f"every row of {data.path} is longer than data.max_length={data.max_length} (or its "

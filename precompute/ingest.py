@@ -32,6 +32,7 @@ from mopd.base.errors import ConfigError
 from mopd.base.fsio import files_digest, fsync_path, is_temporary
 from mopd.base.jsonio import parse_json
 from mopd.config.precompute import DataConfig, RoutingConfig
+from mopd.precompute.cross_rows import CrossTokenizers
 from mopd.precompute.data import TokenizedRows, tokenize_dataset
 from mopd.precompute.records import load_records
 from mopd.store.format.fingerprint import TOKENIZER_FILES
@@ -52,8 +53,10 @@ def ingest_key(
     alias_index: Mapping[str, int],
     tokenizer_path: str,
     contexts: Mapping[int, int],
+    cross_tokenizers: Mapping[int, str] | None = None,
 ) -> tuple[str, dict[str, Any]]:
-    """The cache key and what it hashes: everything that decides the tokenised rows."""
+    """The cache key and what it hashes: everything that decides the tokenised rows (the tokenizers of
+    teachers of other tokenizers too, where there are any)."""
     source = Path(data.path)
     inputs = {
         "version": INGEST_VERSION,
@@ -66,6 +69,11 @@ def ingest_key(
         "default_teacher": alias_index[routing.default_teacher] if routing.default_teacher else None,
         "teacher_contexts": {str(t): n for t, n in sorted(contexts.items())},
     }
+    if cross_tokenizers:
+        inputs["cross_tokenizers"] = {
+            str(t): files_digest(Path(path), list(TOKENIZER_FILES))
+            for t, path in sorted(cross_tokenizers.items())
+        }
     return hashlib.sha256(canonical_json(inputs)).hexdigest()[:32], inputs
 
 
@@ -130,6 +138,8 @@ def ingest(
     load_tokenizer: Callable[[], Any],
     contexts: Mapping[int, int],
     cache: Path,
+    cross_tokenizers: Mapping[int, str] | None = None,
+    load_cross: Callable[[Any], CrossTokenizers | None] = lambda student: None,
     num_proc: int | None,
     show_progress: bool,
     log: Callable[[str], Any],
@@ -146,6 +156,7 @@ def ingest(
         alias_index=alias_index,
         tokenizer_path=tokenizer_path,
         contexts=contexts,
+        cross_tokenizers=cross_tokenizers,
     )
     folder = cache / key
     if (folder / INGEST_RECORD).exists():
@@ -158,6 +169,7 @@ def ingest(
     work.mkdir()
     try:
         started = time.perf_counter()
+        student = load_tokenizer()
         with faults.io("write", work / "map.arrow", unnamed_only=True):  # the map's buffered output
             rows = tokenize_dataset(
                 load_records(data.path),
@@ -165,11 +177,12 @@ def ingest(
                 routing=routing,
                 agent_to_alias=agent_to_alias,
                 alias_index=alias_index,
-                tokenizer=load_tokenizer(),
+                tokenizer=student,
                 contexts=contexts,
                 num_proc=num_proc,
                 show_progress=show_progress,
                 cache_file=work / "map.arrow",
+                cross=load_cross(student),
             )
         _publish(rows, inputs, work, folder)
         del rows  # the map's files went; the published copy is read back memory-mapped

@@ -23,11 +23,21 @@ from mopd.store.format.manifest import EXACT, EncodingTask, HeadTask, Manifest, 
 from mopd.store.task_writers import (
     HiddenShardWriter,
     read_encoding,
+    write_alignment,
     write_encoding,
     write_lm_head,
     write_rows,
 )
 from mopd.store.writer import StoreWriter
+
+# What a shard of a teacher of another tokenizer stores (`write_alignment`'s arguments) from which of the
+# ingested rows' cross columns.
+CROSS_ARRAYS = {
+    "token_ids": "teacher_ids",
+    "teacher_span": "teacher_span",
+    "aligned": "aligned",
+    "student_span": "student_span",
+}
 
 # A hidden-state shard as its task fills it, a batch at a time: append(row ids, their [L_i, H] states).
 AppendStates = Callable[[np.ndarray, list[torch.Tensor]], None]
@@ -98,11 +108,13 @@ class StoreOutput:
         error. A non-finite state refuses the whole task, naming the row."""
         dtype = TORCH_DTYPES[self.hidden_dtype]
         encoding = self._encoding(task.teacher)
+        entry = next(t for t in self.writer.plan.teachers if t.index == task.teacher)
+        own = entry.tokenizer is not None  # a teacher of another tokenizer: its own token rows
         with self.writer.task(task.task_id) as out:
             shard = HiddenShardWriter(
                 out,
                 row_ids=order,
-                lengths=rows.lengths[order],
+                lengths=rows.token_rows(own)[1][order],
                 hidden_size=teacher.hidden_size,
                 dtype=self.hidden_dtype,
                 encoding=encoding,
@@ -120,6 +132,9 @@ class StoreOutput:
 
             yield append
             shard.close()
+            if own:
+                columns = {name: [rows.cross[col][r] for r in order] for name, col in CROSS_ARRAYS.items()}
+                write_alignment(out, hidden_size=teacher.hidden_size, dtype=self.hidden_dtype, **columns)
 
     @property
     def removed(self) -> tuple[Path, ...]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,12 +24,13 @@ from mopd.base.fsio import is_temporary
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.precompute import PrecomputeConfig
 from mopd.precompute.backends import HiddenStateSource, TeacherModel, load_teacher
+from mopd.precompute.cross_rows import CrossTokenizers
 from mopd.precompute.data import TokenizedRows
 from mopd.precompute.ingest import ingest
 from mopd.precompute.output_layer import resolve_dtype
 from mopd.precompute.outputs import NoOutput, Output, StoreOutput
 from mopd.precompute.progress import TokenProgress
-from mopd.precompute.teachers import TeacherSet, load_tokenizer, resolve_teachers
+from mopd.precompute.teachers import TeacherSet, load_tokenizer, resolve_teachers, tokenizer_info
 from mopd.store.codec.int8_rotated import CALIBRATION_TOKENS, Calibration
 from mopd.store.format.layout import plan_tasks, shard_rows
 from mopd.store.format.manifest import (
@@ -92,9 +93,17 @@ def build_plan(
     config: MopdConfig, teachers: TeacherSet, rows: TokenizedRows, backend: str, compute_dtype: str
 ) -> Plan:
     """The store's plan; everything in it decides the store's bytes, so equal plans give equal stores."""
+    trust = config.precompute.trust_remote_code
+    own = {t: tokenizer_info(path, trust_remote_code=trust) for t, path in teachers.cross.items()}
+    # With teachers of other tokenizers, the store's tokenizer is bound by its fingerprint too: the
+    # alignments hold for it alone.
+    fingerprint = tokenizer_info(teachers.tokenizer_path, trust_remote_code=trust).fingerprint if own else ""
     return Plan(
         tokenizer=TokenizerInfo(
-            name=teachers.tokenizer_path, vocab_hash=teachers.vocab_hash, vocab_size=teachers.vocab_size
+            name=teachers.tokenizer_path,
+            vocab_hash=teachers.vocab_hash,
+            vocab_size=teachers.vocab_size,
+            fingerprint=fingerprint,
         ),
         dataset=DatasetInfo(
             source=config.data.path,
@@ -109,6 +118,7 @@ def build_plan(
                 aliases=list(s.aliases),
                 fingerprint=teachers.fingerprints[s.index],
                 backend=backend,
+                tokenizer=own.get(s.index),
             )
             for s in teachers.slots
         ],
@@ -157,6 +167,16 @@ def publish_ingest_records(location: Location, cache: Path) -> None:
                 location.write_same(f"{INGEST_DIR}/{record.parent.name}/{INGEST_RECORD}", record.read_bytes())
 
 
+def load_cross_tokenizers(
+    student: Any, teachers: TeacherSet, trust_remote_code: bool
+) -> CrossTokenizers | None:
+    """The tokenizers of the teachers of other tokenizers, with their token tables; None without any."""
+    if not teachers.cross:
+        return None
+    own = {t: load_tokenizer(path, trust_remote_code=trust_remote_code) for t, path in teachers.cross.items()}
+    return CrossTokenizers.of(student, own)
+
+
 def ingest_rows(
     config: MopdConfig,
     teachers: TeacherSet,
@@ -180,6 +200,8 @@ def ingest_rows(
         contexts=teachers.contexts,
         load_tokenizer=lambda: load_tokenizer(teachers.tokenizer_path, trust_remote_code=trust_remote_code),
         cache=cache,
+        cross_tokenizers=teachers.cross,
+        load_cross=lambda student: load_cross_tokenizers(student, teachers, trust_remote_code),
         num_proc=config.data.num_proc or min(8, os.cpu_count() or 1),
         show_progress=show_progress,
         log=log,
@@ -247,10 +269,13 @@ def start_job(
     return ranks, num_tasks * ranks.dp_size, task_index * ranks.dp_size + ranks.dp_rank
 
 
-def task_batches(task: ShardTask, rows: TokenizedRows, batch_tokens: int) -> list[np.ndarray]:
-    """The row batches of a hidden-state task, in processing order (the same on every rank)."""
+def task_batches(
+    task: ShardTask, rows: TokenizedRows, batch_tokens: int, *, own: bool = False
+) -> list[np.ndarray]:
+    """The row batches of a hidden-state task, in processing order (the same on every rank); `own`: a
+    teacher of another tokenizer, whose rows are its own tokens."""
     row_ids = shard_rows(rows.teacher_index, task)
-    return pack_batches(row_ids, rows.lengths[row_ids], batch_tokens=batch_tokens)
+    return pack_batches(row_ids, rows.token_rows(own)[1][row_ids], batch_tokens=batch_tokens)
 
 
 def run_hidden_task(
@@ -260,26 +285,34 @@ def run_hidden_task(
     rows: TokenizedRows,
     batch_tokens: int,
     progress: TokenProgress,
+    own: bool,
 ) -> None:
-    batches = task_batches(task, rows, batch_tokens)
+    batches = task_batches(task, rows, batch_tokens, own=own)
     order = np.concatenate(batches)  # stored in processing order; the shard records it in row_ids
+    tokens, lengths = rows.token_rows(own)
     with output.shard(task, teacher, rows, order) as append:
         for batch in batches:
-            append(batch, teacher.hidden_states([rows.input_ids[r] for r in batch]))
-            progress.advance(rows=len(batch), tokens=int(rows.lengths[batch].sum()))
+            append(batch, teacher.hidden_states([tokens[r] for r in batch]))
+            progress.advance(rows=len(batch), tokens=int(lengths[batch].sum()))
 
 
 def run_encoding_task(
-    output: Output, task: EncodingTask, teacher: TeacherModel, rows: TokenizedRows, batch_tokens: int
+    output: Output,
+    task: EncodingTask,
+    teacher: TeacherModel,
+    rows: TokenizedRows,
+    batch_tokens: int,
+    own: bool,
 ) -> None:
     """Fits the teacher's encoding on its first rows, as many as fit in `CALIBRATION_TOKENS` (at least
     one), batched as a shard's rows are."""
+    tokens, all_lengths = rows.token_rows(own)
     row_ids = np.flatnonzero(rows.teacher_index == task.teacher)
-    lengths = rows.lengths[row_ids]
+    lengths = all_lengths[row_ids]
     row_ids = row_ids[: max(1, int(np.searchsorted(np.cumsum(lengths), CALIBRATION_TOKENS, side="right")))]
     calibration = Calibration()
-    for batch in pack_batches(row_ids, rows.lengths[row_ids], batch_tokens=batch_tokens):
-        calibration.add(teacher.hidden_states([rows.input_ids[r] for r in batch]))
+    for batch in pack_batches(row_ids, all_lengths[row_ids], batch_tokens=batch_tokens):
+        calibration.add(teacher.hidden_states([tokens[r] for r in batch]))
     output.encoding(task, teacher, calibration)
 
 
@@ -290,19 +323,22 @@ def run_teacher_tasks(
     rows: TokenizedRows,
     batch_tokens: int,
     progress: TokenProgress,
+    own: bool = False,
 ) -> None:
-    """One loaded teacher's tasks, after the proof that its capture rebuilds its logits; closes it."""
+    """One loaded teacher's tasks, after the proof that its capture rebuilds its logits; closes it.
+    `own`: a teacher of another tokenizer, which reads its own token rows."""
     try:
         index = tasks[0].teacher
-        first_rows = [rows.input_ids[r] for r in np.flatnonzero(rows.teacher_index == index)[:4]]
+        tokens = rows.token_rows(own)[0]
+        first_rows = [tokens[r] for r in np.flatnonzero(rows.teacher_index == index)[:4]]
         output.check_capture(teacher, first_rows or [rows.input_ids[0][:16]])
         for task in tasks:
             if isinstance(task, HeadTask):
                 output.head(task, teacher)
             elif isinstance(task, EncodingTask):
-                run_encoding_task(output, task, teacher, rows, batch_tokens)
+                run_encoding_task(output, task, teacher, rows, batch_tokens, own)
             else:
-                run_hidden_task(output, task, teacher, rows, batch_tokens, progress)
+                run_hidden_task(output, task, teacher, rows, batch_tokens, progress, own)
     finally:
         teacher.close()
 
@@ -374,27 +410,32 @@ def run_tasks(
     """Every task of `todo` through the function of its kind; each teacher is loaded once, for all of
     its tasks, one teacher at a time. Returns the tokens per second of the hidden-state tasks."""
     start = time.perf_counter()
-    with TokenProgress(**hidden_totals(todo, rows), enabled=show_progress) as progress:
+    with TokenProgress(**hidden_totals(todo, rows, teachers.cross), enabled=show_progress) as progress:
         for task in (t for t in todo if isinstance(t, RowsTask)):
             output.rows(task, rows)
         for slot in teachers.slots:
             mine = [t for t in todo if not isinstance(t, RowsTask) and t.teacher == slot.index]
             if mine:
                 progress.describe(f"teacher {'+'.join(slot.aliases)}")
-                length = int(rows.lengths.max())
+                own = slot.index in teachers.cross  # a teacher of another tokenizer reads its own rows
+                length = int(rows.token_rows(own)[1].max())
                 teacher = load_teacher(
                     settings, backend, slot.checkpoint, max_model_len=length, group=ranks, log=log
                 )
-                run_teacher_tasks(output, teacher, mine, rows, settings.batch_tokens, progress)
+                run_teacher_tasks(output, teacher, mine, rows, settings.batch_tokens, progress, own)
     return progress.tokens / max(time.perf_counter() - start, 1e-9)
 
 
-def hidden_totals(todo: list[Task], rows: TokenizedRows) -> dict[str, int]:
-    """Rows and tokens of the hidden-state tasks of `todo`: each row is in exactly one such task."""
-    row_ids = [shard_rows(rows.teacher_index, t) for t in todo if isinstance(t, ShardTask)]
+def hidden_totals(todo: list[Task], rows: TokenizedRows, cross: Collection[int] = ()) -> dict[str, int]:
+    """Rows and tokens of the hidden-state tasks of `todo` (each row is in exactly one such task), in
+    the tokens each teacher reads (`cross`: the teachers of other tokenizers)."""
+    shards = [t for t in todo if isinstance(t, ShardTask)]
+    row_ids = [shard_rows(rows.teacher_index, t) for t in shards]
     return {
         "total_rows": sum(r.shape[0] for r in row_ids),
-        "total_tokens": sum(int(rows.lengths[r].sum()) for r in row_ids),
+        "total_tokens": sum(
+            int(rows.token_rows(t.teacher in cross)[1][r].sum()) for t, r in zip(shards, row_ids, strict=True)
+        ),
     }
 
 
@@ -451,6 +492,24 @@ def hub_offline() -> Iterator[None]:
             os.environ.pop("HF_HUB_OFFLINE", None)
 
 
+def job_teachers(config: MopdConfig, backend: str) -> TeacherSet:
+    """The job's teachers (`resolve_teachers`), against the store's tokenizer: `tokenizer`, or the
+    student's where the teachers' is not its own.
+
+    Raises:
+        ConfigError: as `resolve_teachers`, or a teacher of another tokenizer for the megatron backend.
+    """
+    student = config.train.student if config.train is not None else None
+    teachers = resolve_teachers(config.teachers, config.tokenizer, student)
+    if teachers.cross and backend == "megatron":
+        raise ConfigError(
+            f"precompute.backend megatron: teachers {sorted(teachers.cross)} have another tokenizer "
+            "than the store's, and the megatron backend computes teachers of the store's tokenizer "
+            "only (its task loop feeds every rank the store's token rows); use the hf or vllm backend"
+        )
+    return teachers
+
+
 def run_precompute(
     config: MopdConfig,
     *,
@@ -471,7 +530,7 @@ def run_precompute(
         backend = settings.backend
         check_device(settings.device, key="precompute.device")
         location = probed_location(store_path or config.store.path, config.store.options)
-        teachers = resolve_teachers(config.teachers, config.tokenizer)
+        teachers = job_teachers(config, backend)
         cache = ingest_cache(location)
         rows = ingest_rows(config, teachers, cache, show_progress=show_progress, log=log)
         plan = build_plan(config, teachers, rows, backend, compute_dtype(settings))

@@ -1,17 +1,20 @@
-"""The teacher set of a precompute run: indices, fingerprints, one shared vocabulary."""
+"""The teacher set of a precompute run: indices, fingerprints, the store's vocabulary and the teachers
+of other tokenizers (DESIGN §13)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mopd.base.errors import ConfigError
 from mopd.base.jsonio import parse_json
 from mopd.store.format.fingerprint import checkpoint_fingerprint, tokenizer_vocab, vocab_hash
+from mopd.store.format.manifest import TokenizerInfo
 from mopd.store.format.teachers import TeacherSlot, alias_to_index, assign_teacher_indices
+from mopd.tokens.pieces import tokenizer_fingerprint
 
 
 @dataclass(frozen=True)
@@ -22,23 +25,37 @@ class TeacherSet:
     vocab_hash: str
     vocab_size: int
     contexts: dict[int, int]  # teacher index → its context (max_position_embeddings), where it says
+    # Teachers whose tokenizer is not the store's: index → the checkpoint whose tokenizer they read.
+    cross: dict[int, str] = field(default_factory=dict)
 
     @property
     def alias_index(self) -> dict[str, int]:
         return alias_to_index(self.slots)
 
 
-def tokenizer_checkpoint(teachers: Mapping[str, str], tokenizer: str | None = None) -> str:
-    """The checkpoint whose tokenizer precompute tokenises with: `tokenizer`, else the first teacher's."""
-    return tokenizer or assign_teacher_indices(teachers)[0].checkpoint
+def tokenizer_checkpoint(
+    teachers: Mapping[str, str], tokenizer: str | None = None, student: str | None = None
+) -> str:
+    """The checkpoint whose tokenizer the store's rows are in: `tokenizer`; else the student's, where
+    its vocabulary is not the first teacher's (the teachers of other tokenizers are aligned to it);
+    else the first teacher's."""
+    if tokenizer:
+        return tokenizer
+    first = assign_teacher_indices(teachers)[0].checkpoint
+    student_has_one = student is not None and (Path(student) / "tokenizer.json").exists()
+    if student_has_one and vocab_hash(str(student)) != vocab_hash(first):
+        return str(student)
+    return first
 
 
-def resolve_teachers(teachers: Mapping[str, str], tokenizer: str | None = None) -> TeacherSet:
-    """Numbers the teachers (alias → checkpoint), fingerprints them and checks they share the vocabulary of
-    `tokenizer` (default: the first teacher's).
+def resolve_teachers(
+    teachers: Mapping[str, str], tokenizer: str | None = None, student: str | None = None
+) -> TeacherSet:
+    """Numbers the teachers (alias → checkpoint), fingerprints them, and sorts them into those that share
+    the store's vocabulary (`tokenizer_checkpoint`) and those of other tokenizers (`TeacherSet.cross`).
 
     Raises:
-        ConfigError: a checkpoint does not exist or is unreadable, or a vocabulary differs.
+        ConfigError: a checkpoint does not exist or is unreadable.
     """
     slots = assign_teacher_indices(teachers)
     for slot in slots:
@@ -47,16 +64,13 @@ def resolve_teachers(teachers: Mapping[str, str], tokenizer: str | None = None) 
                 f"teachers.{slot.aliases[0]}: checkpoint {slot.checkpoint} does not exist (mopd loads local "
                 "checkpoints only; download it first)"
             )
-    tokenizer_path = tokenizer_checkpoint(teachers, tokenizer)
+    tokenizer_path = tokenizer_checkpoint(teachers, tokenizer, student)
     expected = vocab_hash(tokenizer_path)
-    fingerprints, contexts = {}, {}
+    fingerprints, contexts, cross = {}, {}, {}
     for slot in slots:
         with _naming(slot):
             if vocab_hash(slot.checkpoint) != expected:
-                raise ConfigError(
-                    f"teachers.{slot.aliases[0]} ({slot.checkpoint}) has a different tokenizer vocabulary "
-                    f"than {tokenizer_path}; all teachers and the student must share one vocabulary"
-                )
+                cross[slot.index] = slot.checkpoint
             fingerprints[slot.index] = checkpoint_fingerprint(slot.checkpoint)
             if (context := context_length(slot.checkpoint)) is not None:
                 contexts[slot.index] = context
@@ -67,6 +81,7 @@ def resolve_teachers(teachers: Mapping[str, str], tokenizer: str | None = None) 
         vocab_hash=expected,
         vocab_size=len(tokenizer_vocab(tokenizer_path)),
         contexts=contexts,
+        cross=cross,
     )
 
 
@@ -108,3 +123,13 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> Any:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise ConfigError(f"tokenizer {path} cannot be loaded ({err})") from err
+
+
+def tokenizer_info(path: str, *, trust_remote_code: bool = False) -> TokenizerInfo:
+    """A checkpoint's tokenizer as a manifest records it, its fingerprint included."""
+    return TokenizerInfo(
+        name=path,
+        vocab_hash=vocab_hash(path),
+        vocab_size=len(tokenizer_vocab(path)),
+        fingerprint=tokenizer_fingerprint(load_tokenizer(path, trust_remote_code=trust_remote_code)),
+    )

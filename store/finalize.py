@@ -13,6 +13,7 @@ from mopd.store.arrays.binding import Recorded
 from mopd.store.arrays.read import ArrayReader
 from mopd.store.format.layout import ROW_IDS, TEACHER_INDEX
 from mopd.store.format.manifest import (
+    CROSS_TOKENIZER,
     FORMAT,
     FORMAT_VERSION,
     INT8_ROTATED,
@@ -99,7 +100,13 @@ def _artifact(task: TaskSpec, part: PartRecord, part_sha256: str) -> ArtifactRec
         return HeadArtifact(teacher=task.teacher, **stats)
     if isinstance(task, EncodingTask):
         return EncodingArtifact(teacher=task.teacher, **stats)
-    return ShardArtifact(teacher=task.teacher, shard=task.shard, **stats)
+    return ShardArtifact(teacher=task.teacher, shard=task.shard, aligned_tokens=part.aligned_tokens, **stats)
+
+
+def required_features(plan: Plan) -> list[str]:
+    """What a reader must know to read the store: its encoding, teachers of other tokenizers."""
+    features = [INT8_ROTATED] if plan.storage.encoding == INT8_ROTATED else []
+    return features + ([CROSS_TOKENIZER] if any(t.tokenizer is not None for t in plan.teachers) else [])
 
 
 def build_manifest(
@@ -125,7 +132,7 @@ def build_manifest(
     return Manifest(
         format=FORMAT,
         format_version=FORMAT_VERSION,
-        required_features=[INT8_ROTATED] if plan.storage.encoding == INT8_ROTATED else [],
+        required_features=required_features(plan),
         created_by=created_by,
         identity=plan.identity(),
         tokenizer=plan.tokenizer,

@@ -25,6 +25,7 @@ from mopd.store.arrays.dtypes import TORCH_DTYPES, from_storage
 from mopd.store.arrays.read import ArrayReader, ChunkCache
 from mopd.store.codec.int8_rotated import Encoding
 from mopd.store.format.layout import (
+    ALIGNED,
     CODES,
     HIDDEN,
     INPUT_IDS,
@@ -32,7 +33,10 @@ from mopd.store.format.layout import (
     OFFSETS,
     ROW_IDS,
     SCALES,
+    STUDENT_SPAN,
     TEACHER_INDEX,
+    TEACHER_SPAN,
+    TOKEN_IDS,
 )
 from mopd.store.format.manifest import (
     EncodingInfo,
@@ -274,6 +278,43 @@ class TeacherStore:
         padding = torch.zeros(vocab_stop - max(stored_stop, vocab_start), entry.hidden_size, dtype=part.dtype)
         return torch.cat([part, padding])
 
+    @cached_property
+    def _aligned_locations(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per row of a teacher of another tokenizer: where its student positions start in its shard's
+        alignment arrays (its rows' positions end to end, in row_ids order), and that shard's index."""
+        shard_of = np.full(self.num_rows, -1, dtype=np.int64)
+        starts = np.zeros(self.num_rows, dtype=np.int64)
+        lengths = self.lengths
+        for k, shard in enumerate(self.manifest.shards):
+            if self.teacher(shard.teacher).tokenizer is None:
+                continue
+            row_ids = self._array(shard.path, ROW_IDS).read().astype(np.int64)
+            shard_of[row_ids] = k
+            starts[row_ids] = np.concatenate([[0], np.cumsum(lengths[row_ids])[:-1]])
+        return shard_of, starts
+
+    def alignment(self, i: int) -> StoredAlignment:
+        """Row i's alignment with its teacher of another tokenizer (`layout.shard_arrays`).
+
+        Raises:
+            ValueError: the row's teacher shares the store's tokenizer.
+        """
+        teacher = self.teacher(self.row(i).teacher_index)
+        if teacher.tokenizer is None:
+            raise ValueError(f"row {i}'s teacher {teacher.index} shares the store's tokenizer: no alignment")
+        shard_of, starts = self._aligned_locations
+        shard = self.manifest.shards[int(shard_of[i])]
+        _, token_starts, token_stops = self._row_locations
+        own = slice(int(token_starts[i]), int(token_stops[i]))
+        student = slice(int(starts[i]), int(starts[i]) + int(self.lengths[i]))
+        read = lambda name, span: self._array(shard.path, name).read(span.start, span.stop)  # noqa: E731
+        return StoredAlignment(
+            token_ids=read(TOKEN_IDS, own).astype(np.int64),
+            teacher_span=read(TEACHER_SPAN, own).astype(np.int64),
+            aligned=read(ALIGNED, student).astype(np.int64),
+            student_span=read(STUDENT_SPAN, student).astype(np.int64),
+        )
+
     def _head_position(self, teacher_index: int) -> int:
         return next(k for k, a in enumerate(self.manifest.lm_heads) if a.teacher == teacher_index)
 
@@ -282,6 +323,17 @@ class TeacherStore:
         entry = self.teacher(self.row(i).teacher_index)
         logits = self.hidden(i).float() @ self.lm_head(entry.index).float().T
         return LogitTransform(entry.logit_scale, entry.final_logit_softcap).apply(logits)
+
+
+@dataclass(frozen=True)
+class StoredAlignment:
+    """A row's alignment with its teacher of another tokenizer: the teacher's own tokens and each of its
+    positions' span, and for each student position the aligned teacher position and span (−1: none)."""
+
+    token_ids: np.ndarray  # [L_teacher]
+    teacher_span: np.ndarray  # [L_teacher]
+    aligned: np.ndarray  # [L_student]
+    student_span: np.ndarray  # [L_student]
 
 
 def open_store(path: str | Path | Location, options: Mapping[str, str] | None = None) -> TeacherStore:

@@ -15,6 +15,7 @@ from mopd.store.arrays.read import ArrayReader
 from mopd.store.arrays.write import ArrayAppender
 from mopd.store.codec.int8_rotated import Encoding
 from mopd.store.format.layout import (
+    ALIGNED,
     CODES,
     HIDDEN,
     INPUT_IDS,
@@ -26,7 +27,10 @@ from mopd.store.format.layout import (
     SCALES,
     SIGNS,
     SOURCE_KEY,
+    STUDENT_SPAN,
     TEACHER_INDEX,
+    TEACHER_SPAN,
+    TOKEN_IDS,
     encoding_arrays,
     head_array,
     rows_arrays,
@@ -181,3 +185,29 @@ class HiddenShardWriter:
         offsets = np.concatenate([[0], np.cumsum(self._lengths)]).astype(np.int64)
         self._output.write(self._arrays[OFFSETS], offsets)
         self._output.write(self._arrays[ROW_IDS], self._row_ids)
+
+
+def write_alignment(
+    output: TaskOutput,
+    *,
+    hidden_size: int,
+    dtype: str,
+    token_ids: Sequence[np.ndarray],
+    teacher_span: Sequence[np.ndarray],
+    aligned: Sequence[np.ndarray],
+    student_span: Sequence[np.ndarray],
+) -> None:
+    """The arrays a shard of a teacher of another tokenizer adds (`layout.shard_arrays`): per row, in
+    the shard's row order, the teacher's own tokens and each teacher position's span, and each student
+    position's aligned teacher position and span. Call after the shard's states are written."""
+    num_tokens, num_aligned = sum(map(len, token_ids)), sum(map(len, aligned))
+    arrays = shard_arrays(len(token_ids), num_tokens, hidden_size, dtype, aligned_tokens=num_aligned)
+    for name, rows in (
+        (TOKEN_IDS, token_ids),
+        (TEACHER_SPAN, teacher_span),
+        (ALIGNED, aligned),
+        (STUDENT_SPAN, student_span),
+    ):
+        values = pack_rows([np.asarray(r, np.int32) for r in rows])[0].astype(np.int32)
+        output.write(arrays[name], values)
+    output.aligned_tokens = num_aligned

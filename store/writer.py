@@ -54,6 +54,7 @@ class TaskOutput:
         self.folder = folder
         self.num_rows = 0
         self.num_tokens = 0
+        self.aligned_tokens = 0  # a shard of a teacher of another tokenizer: its alignment's positions
         self.head: HeadInfo | None = None  # what an LM-head task measured of its teacher
         self._chunk_bytes = storage.chunk_bytes
         self._codec = storage.codec
@@ -220,6 +221,7 @@ class StoreWriter:
             hash=artifact_hash(files),
             files=files,
             head=output.head,
+            aligned_tokens=output.aligned_tokens,
         )
         path = self.part_path(spec.task_id)
         record = canonical_json(part.model_dump(mode="json"))

@@ -12,7 +12,7 @@ student tokens and one run of teacher tokens. A span's likelihood is comparable 
 (the span loss of `train/kernel/spans.py`), so positions that no aligned teacher position
 can supervise still get a signal. A span counts only when its bytes are the same on both sides.
 
-All functions here are pure: lists in, lists out, no tokenizer.
+All functions here are pure: token ids and tables in, positions out, no tokenizer.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import difflib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from mopd.tokens.pieces import TokenTable
 
@@ -101,3 +103,43 @@ def align(student: Spelled, teacher: Spelled) -> Alignment:
         if a1 - a0 == b1 - b0 and all(unit_map.get(a0 + k) == b0 + k for k in range(a1 - a0)):
             spans.append((i0, i1, j0, j1))
     return Alignment(teacher_of=tuple(teacher_of), spans=tuple(spans))
+
+
+@dataclass(frozen=True)
+class RowAlignment:
+    """One row's alignment by positions (position t predicts token t + 1, the loss-mask convention):
+    `aligned[t]` the teacher position that predicts what student position t does, or −1;
+    `student_span[t]` / `teacher_span[u]` the span (numbered from 0 within the row) whose bytes the
+    position's next token starts, or −1. Only trained positions (loss mask 1) of either side take part."""
+
+    aligned: np.ndarray  # [L_student] int32
+    student_span: np.ndarray  # [L_student] int32
+    teacher_span: np.ndarray  # [L_teacher] int32
+
+
+def align_row(
+    student_ids: np.ndarray,
+    student_mask: np.ndarray,
+    teacher_ids: np.ndarray,
+    teacher_mask: np.ndarray,
+    *,
+    student_table: TokenTable,
+    teacher_table: TokenTable,
+) -> RowAlignment:
+    """The alignment of one row's two tokenisations over their trained tokens (the tokens each side's
+    trained positions predict, concatenated: the completion, or every assistant turn)."""
+    student_pos = np.flatnonzero(student_mask)
+    teacher_pos = np.flatnonzero(teacher_mask)
+    roles: dict[str, int] = {}
+    student = spell(student_ids[student_pos + 1].tolist(), student_table, roles)
+    teacher = spell(teacher_ids[teacher_pos + 1].tolist(), teacher_table, roles)
+    alignment = align(student, teacher)
+    aligned = np.full(student_ids.shape[0], -1, np.int32)
+    pairs = np.array([(i, j) for i, j in enumerate(alignment.teacher_of) if j >= 0], np.int64).reshape(-1, 2)
+    aligned[student_pos[pairs[:, 0]]] = teacher_pos[pairs[:, 1]]
+    student_span = np.full(student_ids.shape[0], -1, np.int32)
+    teacher_span = np.full(teacher_ids.shape[0], -1, np.int32)
+    for k, (i0, i1, j0, j1) in enumerate(alignment.spans):
+        student_span[student_pos[i0:i1]] = k
+        teacher_span[teacher_pos[j0:j1]] = k
+    return RowAlignment(aligned=aligned, student_span=student_span, teacher_span=teacher_span)

@@ -18,9 +18,16 @@ def distilled_vocabulary(manifest: Manifest, *, student_rows: int, override: int
     """V: the tokenizer's length (or `override`), checked against every output layer's rows.
 
     Raises:
-        ConfigError: V exceeds the student's or a teacher's rows (naming both sizes), or the override
-            exceeds the tokenizer.
+        ConfigError: V exceeds the student's or a teacher's rows (naming both sizes), the override
+            exceeds the tokenizer, or a teacher has another tokenizer.
     """
+    cross = [f"{t.index} ({', '.join(t.aliases)})" for t in manifest.teachers if t.tokenizer is not None]
+    if cross:
+        raise ConfigError(
+            f"the store's teachers {', '.join(cross)} have another tokenizer than "
+            f"{manifest.tokenizer.name}; this version of mopd precomputes such teachers but does not yet "
+            "train from them: train from a store without them"
+        )
     tokens = manifest.tokenizer.vocab_size
     if override is not None and override > tokens:
         raise ConfigError(

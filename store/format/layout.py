@@ -8,6 +8,9 @@ spelt anywhere else.
     teachers/{t}/shards/shard_{s:06d}/
                                hidden [T_s, H], offsets [R_s+1] int64, row_ids [R_s] int64
                                (int8-rotated: codes [T_s, H] int8 and scales [T_s] float32 for hidden)
+                               a teacher of another tokenizer (T_s its own tokens, A_s the rows'
+                               student positions): token_ids [T_s] int32, teacher_span [T_s] int32,
+                               aligned [A_s] int32, student_span [A_s] int32
     teachers/{t}/encoding      int8-rotated only: mean [H] float32, signs [H] int8, mix [m, m] float32,
                                calibration.json
 """
@@ -44,6 +47,7 @@ INPUT_IDS, LOSS_MASK, OFFSETS, TEACHER_INDEX, SOURCE_KEY = (
     "source_key",
 )
 HIDDEN, ROW_IDS = "hidden", "row_ids"
+TOKEN_IDS, ALIGNED, STUDENT_SPAN, TEACHER_SPAN = "token_ids", "aligned", "student_span", "teacher_span"
 CODES, SCALES = "codes", "scales"
 MEAN, SIGNS, MIX = "mean", "signs", "mix"
 HEAD = ""  # an LM-head task's folder is itself the array
@@ -75,10 +79,19 @@ def head_array(vocab_size: int, hidden_size: int, dtype: str) -> ArraySpec:
 
 
 def shard_arrays(
-    num_rows: int, num_tokens: int, hidden_size: int, dtype: str, encoding: str = EXACT
+    num_rows: int,
+    num_tokens: int,
+    hidden_size: int,
+    dtype: str,
+    encoding: str = EXACT,
+    *,
+    aligned_tokens: int | None = None,
 ) -> dict[str, ArraySpec]:
     """A hidden-state shard: its rows' states packed end to end (exact, or codes and a scale a token),
-    where each row starts, which rows."""
+    where each row starts, which rows. A teacher of another tokenizer's shard (`aligned_tokens`: its
+    rows' student positions, end to end in row_ids order) adds the teacher's own tokens and the
+    alignment (`mopd.tokens.alignment.RowAlignment`): the teacher position aligned with each student
+    position, and each position's span, −1 for none."""
     if encoding == EXACT:
         states = {HIDDEN: ArraySpec(HIDDEN, dtype, (num_tokens, hidden_size))}
     else:
@@ -86,10 +99,19 @@ def shard_arrays(
             CODES: ArraySpec(CODES, "int8", (num_tokens, hidden_size)),
             SCALES: ArraySpec(SCALES, "float32", (num_tokens,)),
         }
+    cross = {}
+    if aligned_tokens is not None:
+        cross = {
+            TOKEN_IDS: ArraySpec(TOKEN_IDS, "int32", (num_tokens,)),
+            TEACHER_SPAN: ArraySpec(TEACHER_SPAN, "int32", (num_tokens,)),
+            ALIGNED: ArraySpec(ALIGNED, "int32", (aligned_tokens,)),
+            STUDENT_SPAN: ArraySpec(STUDENT_SPAN, "int32", (aligned_tokens,)),
+        }
     return {
         **states,
         OFFSETS: ArraySpec(OFFSETS, "int64", (num_rows + 1,)),
         ROW_IDS: ArraySpec(ROW_IDS, "int64", (num_rows,)),
+        **cross,
     }
 
 
@@ -127,7 +149,12 @@ def artifact_arrays(artifact: ArtifactRecord, manifest: Manifest) -> list[ArrayS
     assert isinstance(artifact, ShardArtifact)
     storage = manifest.storage
     arrays = shard_arrays(
-        artifact.rows, artifact.tokens, teacher.hidden_size, storage.hidden_dtype, storage.encoding
+        artifact.rows,
+        artifact.tokens,
+        teacher.hidden_size,
+        storage.hidden_dtype,
+        storage.encoding,
+        aligned_tokens=artifact.aligned_tokens if teacher.tokenizer is not None else None,
     )
     return list(arrays.values())
 

@@ -31,7 +31,10 @@ FORMAT_VERSION = 4
 # `storage.encoding`: hidden states as computed, or 8-bit codes (`codec/int8_rotated.py`); a store of the
 # latter requires the feature of that name of its readers.
 EXACT, INT8_ROTATED = "exact", "int8-rotated"
-KNOWN_FEATURES: frozenset[str] = frozenset({INT8_ROTATED})
+# A store with teachers of other tokenizers (DESIGN §13): their shards hold their own token rows and the
+# alignment of each row's two tokenisations.
+CROSS_TOKENIZER = "cross-tokenizer"
+KNOWN_FEATURES: frozenset[str] = frozenset({INT8_ROTATED, CROSS_TOKENIZER})
 
 MANIFEST_FILE = "manifest.json"
 CALIBRATION_FILE = "calibration.json"  # an encoding task's `EncodingInfo`, in its folder
@@ -102,14 +105,30 @@ class EncodingTask(_Record):
 TaskSpec = Annotated[RowsTask | HeadTask | ShardTask | EncodingTask, Field(discriminator="kind")]
 
 
+class TokenizerInfo(_Record):
+    """A tokenizer: its vocabulary's hash and size and, in a store with teachers of other tokenizers,
+    its `fingerprint` (`mopd.tokens.pieces.tokenizer_fingerprint`: what decides its tokenisation)."""
+
+    OMITTED_AT_DEFAULT = ("fingerprint",)
+
+    name: str
+    vocab_hash: str
+    vocab_size: Count
+    fingerprint: str = ""
+
+
 class TeacherInfo(_Record):
-    """What is known of a teacher before any forward pass."""
+    """What is known of a teacher before any forward pass. `tokenizer`: its own, where it is not the
+    store's (a teacher of another tokenizer); None where it shares the store's vocabulary."""
+
+    OMITTED_AT_DEFAULT = ("tokenizer",)
 
     index: Count
     checkpoint: str
     aliases: list[str]
     fingerprint: str
     backend: str
+    tokenizer: TokenizerInfo | None = None
 
 
 class HeadInfo(_Record):
@@ -124,12 +143,6 @@ class HeadInfo(_Record):
 
 class TeacherEntry(TeacherInfo, HeadInfo):
     """A teacher as the manifest records it, with what its LM-head task measured."""
-
-
-class TokenizerInfo(_Record):
-    name: str
-    vocab_hash: str
-    vocab_size: Count
 
 
 class DatasetInfo(_Record):
@@ -222,6 +235,10 @@ class PartRecord(_Record):
     hash: str
     files: dict[str, tuple[Count, str]]
     head: HeadInfo | None = None  # LM-head tasks only
+    # A shard of a teacher of another tokenizer: the student positions its alignment arrays cover.
+    aligned_tokens: Count = 0
+
+    OMITTED_AT_DEFAULT = ("aligned_tokens",)
 
 
 class _Published(_Record):
@@ -246,9 +263,12 @@ class HeadArtifact(_Published):
 
 
 class ShardArtifact(_Published):
+    OMITTED_AT_DEFAULT = ("aligned_tokens",)
+
     kind: Literal["hidden"] = "hidden"
     teacher: Count
     shard: Count
+    aligned_tokens: Count = 0  # as its part record's
 
 
 class EncodingArtifact(_Published):

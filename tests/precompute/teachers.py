@@ -20,7 +20,8 @@ CORPUS = [
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def make_tokenizer(vocab_size: int = 400) -> Any:
+def make_tokenizer(vocab_size: int = 400, corpus: list[str] | None = None) -> Any:
+    """A byte-level BPE trained on `corpus` (default CORPUS); another corpus merges otherwise."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -30,7 +31,7 @@ def make_tokenizer(vocab_size: int = 400) -> Any:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    core.train_from_iterator(CORPUS, trainer)
+    core.train_from_iterator(CORPUS if corpus is None else corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from click.testing import CliRunner
 
 from mopd.cli.main import cli
 from tests.precompute.conftest import write_config
-from tests.precompute.teachers import make_tokenizer, mixed_records, save_teacher, write_jsonl
+from tests.precompute.teachers import CORPUS, make_tokenizer, mixed_records, save_teacher, write_jsonl
 
 
 @pytest.fixture(autouse=True)
@@ -84,14 +85,38 @@ def test_nonexistent_checkpoint(tmp_path: Path, teachers: dict[str, Path]) -> No
     assert_refused(config, "teachers.chat: checkpoint")
 
 
-def test_teacher_with_other_vocabulary(tmp_path: Path, teachers: dict[str, Path]) -> None:
+def other_vocabulary_config(tmp_path: Path, teachers: dict[str, Path]) -> Path:
     other = save_teacher(
-        tmp_path / "other-vocab", "llama", hidden_size=32, seed=7, tokenizer=make_tokenizer(vocab_size=380)
+        tmp_path / "other-vocab",
+        "llama",
+        hidden_size=64,
+        seed=7,
+        tokenizer=make_tokenizer(vocab_size=380, corpus=CORPUS[150:]),
+        head_dim=32,
     )
-    data = write_jsonl(tmp_path / "d.jsonl", mixed_records(4))
-    assert_refused(
-        write_config(tmp_path, {**teachers, "chat": other}, data=data), "has a different tokenizer vocabulary"
+    data = write_jsonl(tmp_path / "d.jsonl", mixed_records(3))  # agents math, code, chat
+    return write_config(tmp_path, {**teachers, "chat": other}, data=data)
+
+
+def test_teacher_with_other_vocabulary(tmp_path: Path, teachers: dict[str, Path]) -> None:
+    """A teacher of another tokenizer is stored with its own rows by either backend
+    (tests/precompute/test_cross_tokenizer.py checks what they hold)."""
+    code, stderr = precompute(other_vocabulary_config(tmp_path, teachers))
+    assert code == 0, stderr
+    manifest = json.loads((tmp_path / "store.zarr" / "manifest.json").read_text())
+    assert manifest["required_features"] == ["cross-tokenizer"]
+
+
+def test_the_megatron_backend_refuses_a_teacher_of_another_tokenizer(
+    tmp_path: Path, teachers: dict[str, Path]
+) -> None:
+    config = other_vocabulary_config(tmp_path, teachers)
+    result = CliRunner().invoke(cli, ["precompute", str(config), "--backend", "megatron"])
+    assert result.exit_code == 1, result.stderr
+    assert "the megatron backend computes teachers of the store's tokenizer only" in " ".join(
+        result.stderr.split()
     )
+    assert not (tmp_path / "store.zarr" / "manifest.json").exists()
 
 
 def test_store_of_another_dataset_or_teacher_set(

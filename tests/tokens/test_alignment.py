@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -132,3 +133,20 @@ def test_real_tokenizers_align_every_shared_boundary_and_nothing_else(text: str)
         assert i0 == covered
         covered = i1
     assert covered == len(student.starts)  # one text on both sides: the spans cover every token
+
+
+def test_a_row_is_aligned_by_positions_over_its_trained_tokens() -> None:
+    """Position t predicts token t + 1; only trained positions take part. Student: prompt "P" then the
+    trained "ab", "c", end of turn; teacher: its own prompt "QQ" then "a", "bc", end of turn."""
+    from mopd.tokens.alignment import align_row
+
+    student = table(b"P", b"ab", b"c")
+    teacher = table(b"Q", b"a", b"bc")
+    student_ids, student_mask = np.array([0, 1, 2, EOT]), np.array([1, 1, 1, 0])  # predicts ab, c, EOT
+    teacher_ids, teacher_mask = np.array([0, 0, 1, 2, EOT]), np.array([0, 1, 1, 1, 0])  # a, bc, EOT
+    got = align_row(
+        student_ids, student_mask, teacher_ids, teacher_mask, student_table=student, teacher_table=teacher
+    )
+    assert got.aligned.tolist() == [1, -1, 3, -1]  # "ab"/"a" start together; "c" starts inside "bc"
+    assert got.student_span.tolist() == [0, 0, 1, -1]
+    assert got.teacher_span.tolist() == [-1, 0, 0, 1, -1]
