@@ -19,16 +19,27 @@ from mopd.precompute.backends import HiddenStateSource, TeacherModel
 from mopd.precompute.data import TokenizedRows
 from mopd.store.arrays.dtypes import TORCH_DTYPES
 from mopd.store.codec.int8_rotated import Calibration, Encoding
-from mopd.store.format.manifest import EXACT, EncodingTask, HeadTask, Manifest, RowsTask, ShardTask, load_part
+from mopd.store.format.manifest import (
+    EXACT,
+    EncodingTask,
+    HeadTask,
+    Manifest,
+    ProjectionTask,
+    RowsTask,
+    ShardTask,
+    load_part,
+)
 from mopd.store.task_writers import (
     HiddenShardWriter,
     read_encoding,
     write_alignment,
     write_encoding,
     write_lm_head,
+    write_projection,
     write_rows,
 )
 from mopd.store.writer import StoreWriter
+from mopd.tokens.projection import Projection
 
 # What a shard of a teacher of another tokenizer stores (`write_alignment`'s arguments) from which of the
 # ingested rows' cross columns.
@@ -76,6 +87,15 @@ class StoreOutput:
                 teacher.lm_head(),
                 logit_scale=teacher.transform.logit_scale,
                 final_logit_softcap=teacher.transform.final_logit_softcap,
+            )
+
+    def projection(self, task: ProjectionTask, projection: Projection) -> None:
+        with self.writer.task(task.task_id) as out:
+            write_projection(
+                out,
+                source=projection.source.numpy(),
+                target=projection.target.numpy(),
+                weight=projection.weight.numpy(),
             )
 
     def encoding(self, task: EncodingTask, teacher: TeacherModel, calibration: Calibration) -> None:
@@ -179,6 +199,9 @@ class NoOutput:
         pass
 
     def encoding(self, task: EncodingTask, teacher: TeacherModel, calibration: Calibration) -> None:
+        pass
+
+    def projection(self, task: ProjectionTask, projection: Projection) -> None:
         pass
 
     @contextmanager

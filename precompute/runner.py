@@ -30,7 +30,13 @@ from mopd.precompute.ingest import ingest
 from mopd.precompute.output_layer import resolve_dtype
 from mopd.precompute.outputs import NoOutput, Output, StoreOutput
 from mopd.precompute.progress import TokenProgress
-from mopd.precompute.teachers import TeacherSet, load_tokenizer, resolve_teachers, tokenizer_info
+from mopd.precompute.teachers import (
+    TeacherSet,
+    load_tokenizer,
+    resolve_teachers,
+    teacher_projection,
+    tokenizer_info,
+)
 from mopd.store.codec.int8_rotated import CALIBRATION_TOKENS, Calibration
 from mopd.store.format.layout import plan_tasks, shard_rows
 from mopd.store.format.manifest import (
@@ -41,6 +47,7 @@ from mopd.store.format.manifest import (
     Manifest,
     Plan,
     PrecomputeSettings,
+    ProjectionTask,
     RowsTask,
     ShardTask,
     StorageInfo,
@@ -52,7 +59,7 @@ from mopd.store.format.provenance import INGEST_DIR, INGEST_RECORD
 from mopd.store.locations.location import Location, open_location
 from mopd.store.writer import StoreWriter
 
-Task: TypeAlias = RowsTask | HeadTask | ShardTask | EncodingTask
+Task: TypeAlias = RowsTask | HeadTask | ShardTask | EncodingTask | ProjectionTask
 
 # The inner chunk: the unit a read decodes (bench/README.md, "scale.py", measures the choice).
 CHUNK_BYTES = 256 << 10
@@ -127,6 +134,7 @@ def build_plan(
             num_teachers=len(teachers.slots),
             rows_per_task=config.precompute.rows_per_task,
             encoding=config.store.encoding,
+            cross=teachers.cross,
         ),
         storage=StorageInfo(
             hidden_dtype=config.store.dtype,
@@ -413,8 +421,14 @@ def run_tasks(
     with TokenProgress(**hidden_totals(todo, rows, teachers.cross), enabled=show_progress) as progress:
         for task in (t for t in todo if isinstance(t, RowsTask)):
             output.rows(task, rows)
+        for task in (t for t in todo if isinstance(t, ProjectionTask)):  # tokenizers only, no forward
+            output.projection(task, teacher_projection(teachers, task.teacher, settings.trust_remote_code))
         for slot in teachers.slots:
-            mine = [t for t in todo if not isinstance(t, RowsTask) and t.teacher == slot.index]
+            mine = [
+                t
+                for t in todo
+                if isinstance(t, HeadTask | ShardTask | EncodingTask) and t.teacher == slot.index
+            ]
             if mine:
                 progress.describe(f"teacher {'+'.join(slot.aliases)}")
                 own = slot.index in teachers.cross  # a teacher of another tokenizer reads its own rows

@@ -14,7 +14,8 @@ from mopd.base.jsonio import parse_json
 from mopd.store.format.fingerprint import checkpoint_fingerprint, tokenizer_vocab, vocab_hash
 from mopd.store.format.manifest import TokenizerInfo
 from mopd.store.format.teachers import TeacherSlot, alias_to_index, assign_teacher_indices
-from mopd.tokens.pieces import tokenizer_fingerprint
+from mopd.tokens.pieces import token_table, tokenizer_fingerprint
+from mopd.tokens.projection import Projection, first_token_projection
 
 
 @dataclass(frozen=True)
@@ -133,3 +134,12 @@ def tokenizer_info(path: str, *, trust_remote_code: bool = False) -> TokenizerIn
         vocab_size=len(tokenizer_vocab(path)),
         fingerprint=tokenizer_fingerprint(load_tokenizer(path, trust_remote_code=trust_remote_code)),
     )
+
+
+def teacher_projection(teachers: TeacherSet, teacher: int, trust_remote_code: bool = False) -> Projection:
+    """A teacher of another tokenizer's projection onto the store's vocabulary (DESIGN §13)."""
+    student = load_tokenizer(teachers.tokenizer_path, trust_remote_code=trust_remote_code)
+    own = load_tokenizer(teachers.cross[teacher], trust_remote_code=trust_remote_code)
+    projection = first_token_projection(token_table(own), student, token_table(student))
+    projection.check(student_vocab=teachers.vocab_size, origin=f"of teacher {teacher}")
+    return projection

@@ -26,6 +26,8 @@ from mopd.store.format.manifest import (
     Manifest,
     PartRecord,
     Plan,
+    ProjectionArtifact,
+    ProjectionTask,
     RowsArtifact,
     RowsTask,
     ShardArtifact,
@@ -100,6 +102,8 @@ def _artifact(task: TaskSpec, part: PartRecord, part_sha256: str) -> ArtifactRec
         return HeadArtifact(teacher=task.teacher, **stats)
     if isinstance(task, EncodingTask):
         return EncodingArtifact(teacher=task.teacher, **stats)
+    if isinstance(task, ProjectionTask):
+        return ProjectionArtifact(teacher=task.teacher, **stats)
     return ShardArtifact(teacher=task.teacher, shard=task.shard, aligned_tokens=part.aligned_tokens, **stats)
 
 
@@ -145,6 +149,9 @@ def build_manifest(
             (a for a in artifacts if isinstance(a, ShardArtifact)), key=lambda a: (a.teacher, a.shard)
         ),
         encodings=sorted((a for a in artifacts if isinstance(a, EncodingArtifact)), key=lambda a: a.teacher),
+        projections=sorted(
+            (a for a in artifacts if isinstance(a, ProjectionArtifact)), key=lambda a: a.teacher
+        ),
         config=plan.config,
         volatile=dict(volatile),
     )

@@ -33,10 +33,13 @@ from mopd.store.format.layout import (
     OFFSETS,
     ROW_IDS,
     SCALES,
+    SOURCE,
     STUDENT_SPAN,
+    TARGET,
     TEACHER_INDEX,
     TEACHER_SPAN,
     TOKEN_IDS,
+    WEIGHT,
 )
 from mopd.store.format.manifest import (
     EncodingInfo,
@@ -314,6 +317,22 @@ class TeacherStore:
             aligned=read(ALIGNED, student).astype(np.int64),
             student_span=read(STUDENT_SPAN, student).astype(np.int64),
         )
+
+    def projection(self, teacher_index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A teacher of another tokenizer's projection onto the store's vocabulary: its entries' source
+        (teacher token), target (store token) and weight (`mopd.tokens.projection.Projection`).
+
+        Raises:
+            ValueError: the teacher shares the store's tokenizer.
+        """
+        entry = self.teacher(teacher_index)
+        artifact = next((a for a in self.manifest.projections if a.teacher == teacher_index), None)
+        if entry.tokenizer is None or artifact is None:
+            raise ValueError(f"teacher {teacher_index} shares the store's tokenizer: no projection")
+        source, target, weight = (
+            self._array(artifact.path, name).read() for name in (SOURCE, TARGET, WEIGHT)
+        )
+        return source.astype(np.int64), target.astype(np.int64), weight.astype(np.float32)
 
     def _head_position(self, teacher_index: int) -> int:
         return next(k for k, a in enumerate(self.manifest.lm_heads) if a.teacher == teacher_index)

@@ -26,13 +26,17 @@ from mopd.store.format.layout import (
     ROW_IDS,
     SCALES,
     SIGNS,
+    SOURCE,
     SOURCE_KEY,
     STUDENT_SPAN,
+    TARGET,
     TEACHER_INDEX,
     TEACHER_SPAN,
     TOKEN_IDS,
+    WEIGHT,
     encoding_arrays,
     head_array,
+    projection_arrays,
     rows_arrays,
     shard_arrays,
 )
@@ -185,6 +189,17 @@ class HiddenShardWriter:
         offsets = np.concatenate([[0], np.cumsum(self._lengths)]).astype(np.int64)
         self._output.write(self._arrays[OFFSETS], offsets)
         self._output.write(self._arrays[ROW_IDS], self._row_ids)
+
+
+def write_projection(
+    output: TaskOutput, *, source: np.ndarray, target: np.ndarray, weight: np.ndarray
+) -> None:
+    """A teacher's projection onto the store's vocabulary: its entries (`layout.projection_arrays`)."""
+    arrays = projection_arrays(int(source.shape[0]))
+    output.write(arrays[SOURCE], np.asarray(source, np.int64))
+    output.write(arrays[TARGET], np.asarray(target, np.int64))
+    output.write(arrays[WEIGHT], np.asarray(weight, np.float32))
+    output.num_tokens = int(source.shape[0])  # a projection's entries (it has no rows)
 
 
 def write_alignment(

@@ -13,10 +13,13 @@ spelt anywhere else.
                                aligned [A_s] int32, student_span [A_s] int32
     teachers/{t}/encoding      int8-rotated only: mean [H] float32, signs [H] int8, mix [m, m] float32,
                                calibration.json
+    teachers/{t}/projection    a teacher of another tokenizer: source [E] int64, target [E] int64,
+                               weight [E] float32 (`mopd.tokens.projection.Projection`'s entries)
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +32,8 @@ from mopd.store.format.manifest import (
     HeadArtifact,
     HeadTask,
     Manifest,
+    ProjectionArtifact,
+    ProjectionTask,
     RowsArtifact,
     RowsTask,
     ShardArtifact,
@@ -50,6 +55,7 @@ HIDDEN, ROW_IDS = "hidden", "row_ids"
 TOKEN_IDS, ALIGNED, STUDENT_SPAN, TEACHER_SPAN = "token_ids", "aligned", "student_span", "teacher_span"
 CODES, SCALES = "codes", "scales"
 MEAN, SIGNS, MIX = "mean", "signs", "mix"
+SOURCE, TARGET, WEIGHT = "source", "target", "weight"
 HEAD = ""  # an LM-head task's folder is itself the array
 
 
@@ -137,6 +143,16 @@ def encoding_arrays(hidden_size: int) -> dict[str, ArraySpec]:
     }
 
 
+def projection_arrays(num_entries: int) -> dict[str, ArraySpec]:
+    """A teacher's projection onto the store's vocabulary: entry e gives `weight[e]` of teacher token
+    `source[e]`'s probability to store token `target[e]`."""
+    return {
+        SOURCE: ArraySpec(SOURCE, "int64", (num_entries,)),
+        TARGET: ArraySpec(TARGET, "int64", (num_entries,)),
+        WEIGHT: ArraySpec(WEIGHT, "float32", (num_entries,)),
+    }
+
+
 def artifact_arrays(artifact: ArtifactRecord, manifest: Manifest) -> list[ArraySpec]:
     """Every array a published task holds, with the shape the manifest implies."""
     if isinstance(artifact, RowsArtifact):
@@ -146,6 +162,8 @@ def artifact_arrays(artifact: ArtifactRecord, manifest: Manifest) -> list[ArrayS
         return [head_array(teacher.vocab_size, teacher.hidden_size, teacher.dtype)]
     if isinstance(artifact, EncodingArtifact):
         return list(encoding_arrays(teacher.hidden_size).values())
+    if isinstance(artifact, ProjectionArtifact):
+        return list(projection_arrays(artifact.tokens).values())
     assert isinstance(artifact, ShardArtifact)
     storage = manifest.storage
     arrays = shard_arrays(
@@ -171,11 +189,21 @@ def encoding_path(teacher: int) -> str:
     return f"teachers/{teacher}/encoding"
 
 
+def projection_path(teacher: int) -> str:
+    return f"teachers/{teacher}/projection"
+
+
 def plan_tasks(
-    teacher_index: np.ndarray, *, num_teachers: int, rows_per_task: int, encoding: str = EXACT
+    teacher_index: np.ndarray,
+    *,
+    num_teachers: int,
+    rows_per_task: int,
+    encoding: str = EXACT,
+    cross: Collection[int] = (),
 ) -> list[TaskSpec]:
-    """The deterministic task list: the rows, one LM head per teacher, and hidden-state shards (in an
-    int8-rotated store, each teacher's encoding before its shards).
+    """The deterministic task list: the rows, one LM head per teacher (and its projection, for a
+    teacher of another tokenizer: `cross`), and hidden-state shards (in an int8-rotated store, each
+    teacher's encoding before its shards).
 
     Teacher i's rows (in row order) are cut into blocks of `rows_per_task`; block s is shard s and
     covers the global row range from its first row to one past its last. A teacher with no rows has no
@@ -190,6 +218,14 @@ def plan_tasks(
         tasks.append(
             HeadTask(task_id=f"teacher_{teacher:03d}_lm_head", path=lm_head_path(teacher), teacher=teacher)
         )
+        if teacher in cross:
+            tasks.append(
+                ProjectionTask(
+                    task_id=f"teacher_{teacher:03d}_projection",
+                    path=projection_path(teacher),
+                    teacher=teacher,
+                )
+            )
         rows = np.flatnonzero(teacher_index == teacher)
         if encoding != EXACT and rows.shape[0]:
             tasks.append(

@@ -102,7 +102,19 @@ class EncodingTask(_Record):
     teacher: Count
 
 
-TaskSpec = Annotated[RowsTask | HeadTask | ShardTask | EncodingTask, Field(discriminator="kind")]
+class ProjectionTask(_Record):
+    """Teacher `teacher`'s projection onto the store's vocabulary, for a teacher of another tokenizer
+    (`mopd.tokens.projection.first_token_projection`): computed from the two tokenizers, no forward."""
+
+    kind: Literal["projection"] = "projection"
+    task_id: str
+    path: str
+    teacher: Count
+
+
+TaskSpec = Annotated[
+    RowsTask | HeadTask | ShardTask | EncodingTask | ProjectionTask, Field(discriminator="kind")
+]
 
 
 class TokenizerInfo(_Record):
@@ -276,11 +288,18 @@ class EncodingArtifact(_Published):
     teacher: Count
 
 
-ArtifactRecord = RowsArtifact | HeadArtifact | ShardArtifact | EncodingArtifact
+class ProjectionArtifact(_Published):
+    """A published projection: `tokens` counts its entries (it has no rows)."""
+
+    kind: Literal["projection"] = "projection"
+    teacher: Count
+
+
+ArtifactRecord = RowsArtifact | HeadArtifact | ShardArtifact | EncodingArtifact | ProjectionArtifact
 
 
 class Manifest(_Record):
-    OMITTED_AT_DEFAULT = ("encodings",)
+    OMITTED_AT_DEFAULT = ("encodings", "projections")
 
     format: Literal["mopd-teacher-store"]
     format_version: Count
@@ -295,6 +314,7 @@ class Manifest(_Record):
     lm_heads: list[HeadArtifact]
     shards: list[ShardArtifact]
     encodings: list[EncodingArtifact] = []  # int8-rotated stores: one per teacher with rows
+    projections: list[ProjectionArtifact] = []  # one per teacher of another tokenizer
     config: StoreSettings
     volatile: dict[str, Any] = {}
 
@@ -304,7 +324,7 @@ class Manifest(_Record):
         return [TeacherIdentity(t.index, t.checkpoint, t.fingerprint) for t in self.teachers]
 
     def artifacts(self) -> list[ArtifactRecord]:
-        return [self.rows, *self.lm_heads, *self.encodings, *self.shards]
+        return [self.rows, *self.lm_heads, *self.encodings, *self.projections, *self.shards]
 
     def stable_dict(self) -> dict[str, Any]:
         """The manifest without its volatile fields: equal for every run that made the same store."""

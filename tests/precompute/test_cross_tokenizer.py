@@ -17,7 +17,8 @@ from mopd.precompute.runner import run_precompute
 from mopd.store import TeacherStore, open_store
 from mopd.store.format.manifest import CROSS_TOKENIZER
 from mopd.store.verify import verify_store
-from mopd.tokens.pieces import tokenizer_fingerprint
+from mopd.tokens.pieces import token_table, tokenizer_fingerprint
+from mopd.tokens.projection import first_token_projection
 from tests.precompute.conftest import routed_config
 from tests.precompute.teachers import CORPUS, make_tokenizer, save_teacher
 from tests.tolerance import assert_close, network_rtol
@@ -67,6 +68,25 @@ def test_the_manifest_marks_the_feature_and_binds_both_tokenizers(cross_store: d
     )
     problems, _ = verify_store(store.root, full=True)
     assert problems == []
+
+
+def test_the_store_holds_the_teachers_projection(cross_store: dict[str, Any]) -> None:
+    """The projection of the teacher's vocabulary onto the store's, as the two tokenizers give it:
+    training needs neither tokenizer."""
+    from transformers import AutoTokenizer
+
+    store: TeacherStore = cross_store["store"]
+    other = next(t for t in store.teachers if t.tokenizer is not None)
+    student = AutoTokenizer.from_pretrained(cross_store["same"])
+    want = first_token_projection(
+        token_table(AutoTokenizer.from_pretrained(cross_store["other"])), student, token_table(student)
+    )
+    source, target, weight = store.projection(other.index)
+    assert np.array_equal(source, want.source.numpy()) and np.array_equal(target, want.target.numpy())
+    assert np.array_equal(weight, want.weight.numpy())
+    assert [a.teacher for a in store.manifest.projections] == [other.index]
+    with pytest.raises(ValueError, match="shares the store's tokenizer"):
+        store.projection(next(t.index for t in store.teachers if t.tokenizer is None))
 
 
 def test_rows_of_the_other_tokenizer_hold_its_tokens_states_and_alignment(
