@@ -250,7 +250,7 @@ def _tokenize_chat(tokenizer: Any, messages: list[dict[str, str]], row: int) -> 
         raise ConfigError(f"row {row}: the chat template cannot render its messages ({err})") from err
 
 
-def _tokenize_records(
+def tokenize_records(
     batch: Mapping[str, list[Any]], input_format: str, tokenizer: Any, indices: list[int]
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """(token ids, loss mask) of every record of a batch; text is tokenised in one batched call.
@@ -330,7 +330,7 @@ def _tokenize_batch(
     agents = [str(batch[routing.field][k]) if routing.field in batch else "" for k in range(len(indices))]
     teachers = route(agents, routing, agent_to_alias, alias_index, row_ids=indices)
     for k, (i, (ids, mask)) in enumerate(
-        zip(indices, _tokenize_records(batch, input_format, tokenizer, indices), strict=True)
+        zip(indices, tokenize_records(batch, input_format, tokenizer, indices), strict=True)
     ):
         if ids.shape[0] == 0:
             raise ConfigError(f"row {i} tokenizes to no tokens")
@@ -374,7 +374,7 @@ def _teacher_row(
     if input_format == "input_ids":
         refuse_given_ids(row, teacher)
     record = {name: [values[k]] for name, values in batch.items()}
-    return _tokenize_records(record, input_format, cross.teachers[teacher][0], [row])[0]
+    return tokenize_records(record, input_format, cross.teachers[teacher][0], [row])[0]
 
 
 def _map_rows(
