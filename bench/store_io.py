@@ -33,7 +33,7 @@ import zarr
 from zarr.codecs import BloscCodec
 
 from mopd.base.fsio import fsync_tree
-from mopd.precompute.runner import CHUNK_BYTES
+from mopd.precompute.plan import CHUNK_BYTES
 from mopd.store import open_store
 from mopd.store.arrays.binding import Recorded
 from mopd.store.arrays.write import storage_dtype

@@ -70,6 +70,14 @@ class InitFromConfig(Section):
     optimizer: bool = False
 
 
+class CrossTokenizerConfig(Section):
+    """Teachers of other tokenizers than the student's (DESIGN §13)."""
+
+    # alias → a projection file (safetensors: int64 source, target, float32 weight; metadata
+    # teacher_vocab, student_vocab) that replaces the store's first-token projection of that teacher.
+    projection: dict[str, NonEmpty] = Field(default_factory=dict)
+
+
 class TrainConfig(Section):
     student: NonEmpty
     # Start this (new) run from another run's checkpoint: its weights, and with optimizer: true its
@@ -81,6 +89,7 @@ class TrainConfig(Section):
     parallel: StudentParallelConfig = StudentParallelConfig()
     divergence: DivergenceConfig = DivergenceConfig()
     teacher_weights: dict[str, float] = Field(default_factory=dict)
+    cross_tokenizer: CrossTokenizerConfig = CrossTokenizerConfig()
     lm_head_lifecycle: Literal["none", "offload", "evict"] = "offload"
     optim: OptimConfig = OptimConfig()
     batch: BatchConfig = BatchConfig()

@@ -3,7 +3,9 @@ second time, by the teacher's own tokenizer (a chat row through its own chat tem
 tokenisations are aligned (`mopd.tokens.alignment`). The results travel beside the student's row as
 extra columns of the ingested rows (`CROSS_COLUMNS`), empty for rows of the store's tokenizer.
 
-Rows given as `input_ids` carry no text for a teacher to read, and are refused for such teachers.
+Rows given as `input_ids` alone carry no text for a teacher to read, and are refused for such teachers;
+rows that give their text beside the ids (`mopd rollout`'s: the student's samples, with `messages` or
+`prompt` + `completion`) train the student on the ids and give the teacher the text.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from mopd.base.errors import ConfigError
 from mopd.tokens.alignment import align_row
@@ -76,6 +80,31 @@ def cross_columns(
 def refuse_given_ids(row: int, teacher: int) -> None:
     raise ConfigError(
         f"row {row} is routed to teacher {teacher}, whose tokenizer is not the store's, but gives "
-        "input_ids: a teacher of another tokenizer reads the row's text; give rows as messages, "
-        "prompt + completion or text"
+        "input_ids alone: a teacher of another tokenizer reads the row's text; give rows as messages, "
+        "prompt + completion or text (beside the ids, or instead of them)"
     )
+
+
+def aligned_shares(table: pa.Table, teacher_index: np.ndarray) -> dict[int, tuple[float, float]]:
+    """teacher → (share of its trained positions with an aligned teacher position, share with one or
+    a span), for each teacher of another tokenizer, over the ingested rows `table`."""
+    if "aligned" not in table.column_names:  # a store of one tokenizer
+        return {}
+    aligned_lengths = pc.list_value_length(table.column("aligned")).to_numpy(zero_copy_only=False)
+    own = aligned_lengths > 0  # rows of teachers of other tokenizers
+    if not own.any():
+        return {}
+    rows = table.filter(pa.array(own))
+
+    def flat(name: str) -> np.ndarray:
+        return pc.list_flatten(rows.column(name)).to_numpy(zero_copy_only=False)
+
+    teacher = np.repeat(teacher_index[own], aligned_lengths[own])
+    trained = flat("loss_mask").astype(bool)
+    aligned, spanned = flat("aligned") >= 0, flat("student_span") >= 0
+    out = {}
+    for t in np.unique(teacher[trained]).tolist():
+        mine = trained & (teacher == t)
+        count = int(mine.sum())
+        out[int(t)] = (float(aligned[mine].sum()) / count, float((aligned | spanned)[mine].sum()) / count)
+    return out

@@ -371,9 +371,12 @@ def _teacher_row(
     """Record k tokenised by its teacher's own tokenizer, where that is not the store's; else None."""
     if cross is None or teacher not in cross.teachers:
         return None
-    if input_format == "input_ids":
-        refuse_given_ids(row, teacher)
-    record = {name: [values[k]] for name, values in batch.items()}
+    if input_format == "input_ids":  # rollout's rows carry their text beside the sampled ids
+        given = [name for name in batch if name not in ("input_ids", "loss_mask")]
+        if not {"messages", "text"} & set(given) and not {"prompt", "completion"} <= set(given):
+            refuse_given_ids(row, teacher)
+        input_format = detect_format(given)
+    record = {name: [values[k]] for name, values in batch.items() if name not in ("input_ids", "loss_mask")}
     return tokenize_records(record, input_format, cross.teachers[teacher][0], [row])[0]
 
 

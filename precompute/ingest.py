@@ -31,13 +31,16 @@ from mopd.base import faults
 from mopd.base.errors import ConfigError
 from mopd.base.fsio import files_digest, fsync_path, is_temporary
 from mopd.base.jsonio import parse_json
+from mopd.config.mopd_config import MopdConfig
 from mopd.config.precompute import DataConfig, RoutingConfig
-from mopd.precompute.cross_rows import CrossTokenizers
+from mopd.precompute.cross_rows import CrossTokenizers, aligned_shares
 from mopd.precompute.data import TokenizedRows, tokenize_dataset
 from mopd.precompute.records import load_records
+from mopd.precompute.teachers import TeacherSet, load_tokenizer
 from mopd.store.format.fingerprint import TOKENIZER_FILES
 from mopd.store.format.manifest import canonical_json
-from mopd.store.format.provenance import INGEST_RECORD
+from mopd.store.format.provenance import INGEST_DIR, INGEST_RECORD
+from mopd.store.locations.location import Location
 
 INGEST_VERSION = 1
 ROWS_FILE = "rows.arrow"
@@ -191,3 +194,73 @@ def ingest(
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return open_ingested(folder)
+
+
+def ingest_cache(location: Location) -> Path:
+    """Where the tokenised rows are kept: inside a store on a filesystem, so that every job of the store
+    reads what the first one made; on this machine for a store in a bucket (each machine tokenises once),
+    whose ingest records are copied into the store (`publish_ingest_records`)."""
+    return location.machine_cache(INGEST_DIR)
+
+
+def publish_ingest_records(location: Location, cache: Path) -> None:
+    """Copies the ingest records of a store in a bucket into it, where `store.provenance` reads them: the
+    published ones, not another job's temporary (renamed or removed at any moment)."""
+    if location.local_folder() is None:
+        for record in sorted(cache.glob(f"*/{INGEST_RECORD}")):
+            if not is_temporary(record.parent.name):
+                location.write_same(f"{INGEST_DIR}/{record.parent.name}/{INGEST_RECORD}", record.read_bytes())
+
+
+def load_cross_tokenizers(
+    student: Any, teachers: TeacherSet, trust_remote_code: bool
+) -> CrossTokenizers | None:
+    """The tokenizers of the teachers of other tokenizers, with their token tables; None without any."""
+    if not teachers.cross:
+        return None
+    own = {t: load_tokenizer(path, trust_remote_code=trust_remote_code) for t, path in teachers.cross.items()}
+    return CrossTokenizers.of(student, own)
+
+
+def ingest_rows(
+    config: MopdConfig,
+    teachers: TeacherSet,
+    cache: Path,
+    *,
+    show_progress: bool,
+    log: Callable[[str], Any],
+) -> TokenizedRows:
+    """The dataset's rows, tokenised and routed; the first job of a store ingests, later ones read.
+
+    Raises:
+        ConfigError: as `ingest`, or a dataset without a trained token.
+    """
+    trust_remote_code = config.precompute.trust_remote_code
+    rows = ingest(
+        data=config.data,
+        routing=config.routing,
+        agent_to_alias=config.agent_to_alias(),
+        alias_index=teachers.alias_index,
+        tokenizer_path=teachers.tokenizer_path,
+        contexts=teachers.contexts,
+        load_tokenizer=lambda: load_tokenizer(teachers.tokenizer_path, trust_remote_code=trust_remote_code),
+        cache=cache,
+        cross_tokenizers=teachers.cross,
+        load_cross=lambda student: load_cross_tokenizers(student, teachers, trust_remote_code),
+        num_proc=config.data.num_proc or min(8, os.cpu_count() or 1),
+        show_progress=show_progress,
+        log=log,
+    )
+    names = {s.index: "+".join(s.aliases) for s in teachers.slots}
+    for teacher, (aligned, either) in aligned_shares(rows.table, rows.teacher_index).items():
+        log(
+            f"teacher {names[teacher]} (another tokenizer): {aligned:.1%} of its trained positions aligned "
+            f"with one of its own, {either:.1%} aligned or inside a span of the same text"
+        )
+    if rows.num_trained == 0:
+        raise ConfigError(
+            f"data.path {config.data.path}: none of its {rows.num_rows} rows has a trained token (every "
+            "loss_mask is 0), so a store of it would distil nothing; mark the tokens to train with "
+            "loss_mask, or use prompt/completion or messages rows"
+        )
+    return rows

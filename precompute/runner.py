@@ -18,51 +18,36 @@ from typing import Any, Protocol, TypeAlias
 import numpy as np
 
 from mopd.base.batching import pack_batches, select_tasks
-from mopd.base.devices import check_device, rank_device, resolve_device
+from mopd.base.devices import check_device, rank_device
 from mopd.base.errors import ConfigError
-from mopd.base.fsio import is_temporary
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.precompute import PrecomputeConfig
 from mopd.precompute.backends import HiddenStateSource, TeacherModel, load_teacher
-from mopd.precompute.cross_rows import CrossTokenizers
 from mopd.precompute.data import TokenizedRows
-from mopd.precompute.ingest import ingest
-from mopd.precompute.output_layer import resolve_dtype
+from mopd.precompute.ingest import ingest_cache, ingest_rows, publish_ingest_records
 from mopd.precompute.outputs import NoOutput, Output, StoreOutput
+from mopd.precompute.plan import build_plan, compute_dtype
 from mopd.precompute.progress import TokenProgress
 from mopd.precompute.teachers import (
     TeacherSet,
-    load_tokenizer,
     resolve_teachers,
     teacher_projection,
-    tokenizer_info,
 )
 from mopd.store.codec.int8_rotated import CALIBRATION_TOKENS, Calibration
-from mopd.store.format.layout import plan_tasks, shard_rows
+from mopd.store.format.layout import shard_rows
 from mopd.store.format.manifest import (
-    DatasetInfo,
-    DataSettings,
     EncodingTask,
     HeadTask,
     Manifest,
     Plan,
-    PrecomputeSettings,
     ProjectionTask,
     RowsTask,
     ShardTask,
-    StorageInfo,
-    StoreSettings,
-    TeacherInfo,
-    TokenizerInfo,
 )
-from mopd.store.format.provenance import INGEST_DIR, INGEST_RECORD
 from mopd.store.locations.location import Location, open_location
 from mopd.store.writer import StoreWriter
 
 Task: TypeAlias = RowsTask | HeadTask | ShardTask | EncodingTask | ProjectionTask
-
-# The inner chunk: the unit a read decodes (bench/README.md, "scale.py", measures the choice).
-CHUNK_BYTES = 256 << 10
 
 
 @dataclass
@@ -94,133 +79,6 @@ def slurm_task_split() -> tuple[int, int] | None:
         return None
     first = int(os.environ.get("SLURM_ARRAY_TASK_MIN", "0"))
     return int(os.environ["SLURM_ARRAY_TASK_COUNT"]), int(os.environ["SLURM_ARRAY_TASK_ID"]) - first
-
-
-def build_plan(
-    config: MopdConfig, teachers: TeacherSet, rows: TokenizedRows, backend: str, compute_dtype: str
-) -> Plan:
-    """The store's plan; everything in it decides the store's bytes, so equal plans give equal stores."""
-    trust = config.precompute.trust_remote_code
-    own = {t: tokenizer_info(path, trust_remote_code=trust) for t, path in teachers.cross.items()}
-    # With teachers of other tokenizers, the store's tokenizer is bound by its fingerprint too: the
-    # alignments hold for it alone.
-    fingerprint = tokenizer_info(teachers.tokenizer_path, trust_remote_code=trust).fingerprint if own else ""
-    return Plan(
-        tokenizer=TokenizerInfo(
-            name=teachers.tokenizer_path,
-            vocab_hash=teachers.vocab_hash,
-            vocab_size=teachers.vocab_size,
-            fingerprint=fingerprint,
-        ),
-        dataset=DatasetInfo(
-            source=config.data.path,
-            fingerprint=rows.fingerprint(),
-            num_rows=rows.num_rows,
-            num_tokens=int(rows.lengths.sum()),
-        ),
-        teachers=[
-            TeacherInfo(
-                index=s.index,
-                checkpoint=s.checkpoint,
-                aliases=list(s.aliases),
-                fingerprint=teachers.fingerprints[s.index],
-                backend=backend,
-                tokenizer=own.get(s.index),
-            )
-            for s in teachers.slots
-        ],
-        tasks=plan_tasks(
-            rows.teacher_index,
-            num_teachers=len(teachers.slots),
-            rows_per_task=config.precompute.rows_per_task,
-            encoding=config.store.encoding,
-            cross=teachers.cross,
-        ),
-        storage=StorageInfo(
-            hidden_dtype=config.store.dtype,
-            codec=config.store.codec,
-            chunk_bytes=CHUNK_BYTES,
-            encoding=config.store.encoding,
-        ),
-        config=StoreSettings(
-            data=DataSettings(
-                max_length=config.data.max_length,
-                overlong=config.data.overlong,
-                input_format=rows.input_format,
-            ),
-            routing=config.routing.model_dump(mode="json"),
-            precompute=PrecomputeSettings(
-                rows_per_task=config.precompute.rows_per_task,
-                compute_dtype=compute_dtype,
-                trust_remote_code=config.precompute.trust_remote_code,
-            ),
-        ),
-        created_with=config.model_dump(mode="json", exclude_defaults=True),
-    )
-
-
-def ingest_cache(location: Location) -> Path:
-    """Where the tokenised rows are kept: inside a store on a filesystem, so that every job of the store
-    reads what the first one made; on this machine for a store in a bucket (each machine tokenises once),
-    whose ingest records are copied into the store (`publish_ingest_records`)."""
-    return location.machine_cache(INGEST_DIR)
-
-
-def publish_ingest_records(location: Location, cache: Path) -> None:
-    """Copies the ingest records of a store in a bucket into it, where `store.provenance` reads them: the
-    published ones, not another job's temporary (renamed or removed at any moment)."""
-    if location.local_folder() is None:
-        for record in sorted(cache.glob(f"*/{INGEST_RECORD}")):
-            if not is_temporary(record.parent.name):
-                location.write_same(f"{INGEST_DIR}/{record.parent.name}/{INGEST_RECORD}", record.read_bytes())
-
-
-def load_cross_tokenizers(
-    student: Any, teachers: TeacherSet, trust_remote_code: bool
-) -> CrossTokenizers | None:
-    """The tokenizers of the teachers of other tokenizers, with their token tables; None without any."""
-    if not teachers.cross:
-        return None
-    own = {t: load_tokenizer(path, trust_remote_code=trust_remote_code) for t, path in teachers.cross.items()}
-    return CrossTokenizers.of(student, own)
-
-
-def ingest_rows(
-    config: MopdConfig,
-    teachers: TeacherSet,
-    cache: Path,
-    *,
-    show_progress: bool,
-    log: Callable[[str], Any],
-) -> TokenizedRows:
-    """The dataset's rows, tokenised and routed; the first job of a store ingests, later ones read.
-
-    Raises:
-        ConfigError: as `ingest`, or a dataset without a trained token.
-    """
-    trust_remote_code = config.precompute.trust_remote_code
-    rows = ingest(
-        data=config.data,
-        routing=config.routing,
-        agent_to_alias=config.agent_to_alias(),
-        alias_index=teachers.alias_index,
-        tokenizer_path=teachers.tokenizer_path,
-        contexts=teachers.contexts,
-        load_tokenizer=lambda: load_tokenizer(teachers.tokenizer_path, trust_remote_code=trust_remote_code),
-        cache=cache,
-        cross_tokenizers=teachers.cross,
-        load_cross=lambda student: load_cross_tokenizers(student, teachers, trust_remote_code),
-        num_proc=config.data.num_proc or min(8, os.cpu_count() or 1),
-        show_progress=show_progress,
-        log=log,
-    )
-    if rows.num_trained == 0:
-        raise ConfigError(
-            f"data.path {config.data.path}: none of its {rows.num_rows} rows has a trained token (every "
-            "loss_mask is 0), so a store of it would distil nothing; mark the tokens to train with "
-            "loss_mask, or use prompt/completion or messages rows"
-        )
-    return rows
 
 
 class JobRanks(Protocol):
@@ -349,11 +207,6 @@ def run_teacher_tasks(
                 run_hidden_task(output, task, teacher, rows, batch_tokens, progress, own)
     finally:
         teacher.close()
-
-
-def compute_dtype(settings: PrecomputeConfig) -> str:
-    """The dtype the teachers compute in, as the plan records it."""
-    return str(resolve_dtype(settings.dtype, resolve_device(settings.device))).removeprefix("torch.")
 
 
 def open_output(store: Location, plan: Plan, hidden_dtype: str, ranks: JobRanks) -> Output:

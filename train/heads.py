@@ -5,20 +5,63 @@
 - `evict`: nothing kept; a head is read from the store each time it is needed.
 
 Under offload and evict at most one head is on the device at a time; `peak_resident` counts it.
+
+A teacher of another tokenizer (DESIGN §13) is served whole on every rank (its vocabulary is not the
+student's, so it has no slice of the student's: each rank projects its whole distribution onto its own
+slice, `kernel/projected.py`), with its projection onto the student's vocabulary read from the store.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Literal
 
 import torch
 
+from mopd.base.errors import ConfigError
 from mopd.store.format.transform import LogitTransform
 from mopd.store.reader import TeacherStore
+from mopd.tokens.projection import Projection, load_projection
 
 Lifecycle = Literal["none", "offload", "evict"]
+
+
+def teacher_projections(store: TeacherStore, files: Mapping[str, str] | None = None) -> dict[int, Projection]:
+    """Each teacher of another tokenizer's projection onto the store's vocabulary: the store's, or the
+    file `train.cross_tokenizer.projection` names for one of its aliases.
+
+    Raises:
+        ConfigError: an alias the store does not know, or of a teacher of the store's tokenizer; two
+            aliases of one teacher naming different files; a file that is not a projection of its sizes.
+    """
+    files = dict(files or {})
+    known = {alias: t for t in store.teachers for alias in t.aliases}
+    for alias in sorted(files):
+        if alias not in known or known[alias].tokenizer is None:
+            raise ConfigError(
+                f"train.cross_tokenizer.projection.{alias}: the store has no teacher of another tokenizer "
+                f"under this alias (those it has: {sorted(a for a, t in known.items() if t.tokenizer)})"
+            )
+    out = {}
+    for entry in (t for t in store.teachers if t.tokenizer is not None):
+        sizes = dict(
+            teacher_vocab=entry.tokenizer.vocab_size, student_vocab=store.manifest.tokenizer.vocab_size
+        )
+        named = {files[a] for a in entry.aliases if a in files}
+        if len(named) > 1:
+            raise ConfigError(
+                f"train.cross_tokenizer.projection: aliases of teacher {entry.index} name different files "
+                f"{sorted(named)}; give one"
+            )
+        if named:
+            path = named.pop()
+            out[entry.index] = load_projection(path)
+            out[entry.index].check(**sizes, origin=path)
+            continue
+        source, target, weight = (torch.from_numpy(a) for a in store.projection(entry.index))
+        out[entry.index] = Projection(source=source, target=target, weight=weight, **sizes)
+    return out
 
 
 class TeacherHeads:
@@ -29,6 +72,7 @@ class TeacherHeads:
         teachers: the teacher indices to serve.
         lifecycle: none, offload or evict.
         vocab_start, vocab_stop: this rank's vocabulary slice; rows past a teacher's vocabulary are zeros.
+        projection_files: `train.cross_tokenizer.projection` (see `teacher_projections`).
     """
 
     def __init__(
@@ -40,6 +84,7 @@ class TeacherHeads:
         device: torch.device,
         vocab_start: int,
         vocab_stop: int,
+        projection_files: Mapping[str, str] | None = None,
     ) -> None:
         self.store, self.lifecycle, self.device = store, lifecycle, device
         self.vocab_start, self.vocab_stop = vocab_start, vocab_stop
@@ -48,6 +93,8 @@ class TeacherHeads:
             t: LogitTransform(store.teacher(t).logit_scale, store.teacher(t).final_logit_softcap)
             for t in self.teachers
         }
+        projections = teacher_projections(store, projection_files)
+        self.projections = {t: p for t, p in projections.items() if t in self.teachers}
         self._kept: dict[int, torch.Tensor] = {}
         self._resident: set[int] = set()
         self.peak_resident = 0
@@ -62,6 +109,8 @@ class TeacherHeads:
 
     def _read(self, teacher: int) -> torch.Tensor:
         self.reads += 1
+        if teacher in self.projections:  # another tokenizer's teacher: its whole head
+            return self.store.lm_head(teacher)
         return self.store.lm_head(teacher, self.vocab_start, self.vocab_stop)
 
     @property

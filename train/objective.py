@@ -8,7 +8,8 @@ the ranks that report.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Collection
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from mopd.train.data.loader import MicroBatch
 from mopd.train.heads import TeacherHeads
 from mopd.train.kernel.chunk_chain import chunk_size_for, should_compile
 from mopd.train.kernel.divergence import linear_cross_entropy, linear_divergence
+from mopd.train.kernel.projected import projected_divergence
 from mopd.train.report.metrics import DivergenceStats
 
 
@@ -94,11 +96,10 @@ class Objective:
             beta=cfg.beta,
             temperature=cfg.temperature,
             chunk_size=self.chunk_size,
-            teacher_transforms=self.heads.transforms,
             compiled=self.compiled,
             **self.shard,
         )
-        if self.heads.all_on_device:
+        if self.heads.all_on_device and not self.heads.projections:
             out = linear_divergence(
                 hidden_NH,
                 head,
@@ -106,26 +107,12 @@ class Objective:
                 self.heads.resident(),
                 mb.teacher_index,
                 weights=weights_N,
+                teacher_transforms=self.heads.transforms,
                 **options,
             )
             loss, per_token = out.loss, out.per_token
-        else:  # one teacher's head on the device at a time
-            loss = hidden_NH.new_zeros(())
-            per_token = torch.zeros(hidden_NH.shape[0], device=hidden_NH.device)
-            for t in sorted(mb.teacher_hidden):
-                sel = (mb.teacher_index == t).nonzero()[:, 0].to(hidden_NH.device)
-                with self.heads.use(t) as teacher_head:
-                    out = linear_divergence(
-                        hidden_NH[sel],
-                        head,
-                        mb.teacher_hidden[t],
-                        {t: teacher_head},
-                        None,
-                        weights=weights_N[sel],
-                        **options,
-                    )
-                loss = loss + out.loss
-                per_token[sel] = out.per_token
+        else:
+            loss, per_token = self._by_teacher(hidden_NH, head, mb, weights_N, options)
         if cfg.ce_weight > 0:
             ce = linear_cross_entropy(
                 hidden_NH,
@@ -140,22 +127,79 @@ class Objective:
             return Terms(loss, per_token, ce.loss.detach())
         return Terms(loss, per_token, None)
 
+    def _by_teacher(
+        self,
+        hidden_NH: torch.Tensor,
+        head: torch.Tensor,
+        mb: MicroBatch,
+        weights_N: torch.Tensor,
+        options: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One teacher's head on the device at a time: a teacher of the student's vocabulary through
+        `linear_divergence`, one of another tokenizer through `projected_divergence` on the tokens an
+        aligned teacher position supervises (the others' per-token values stay 0)."""
+        loss = hidden_NH.new_zeros(())
+        per_token = torch.zeros(hidden_NH.shape[0], device=hidden_NH.device)
+        supervised = (
+            mb.aligned if mb.aligned is not None else torch.ones_like(mb.teacher_index, dtype=torch.bool)
+        )
+        for t in sorted(mb.teacher_hidden):
+            sel = ((mb.teacher_index == t) & supervised).nonzero()[:, 0].to(hidden_NH.device)
+            with self.heads.use(t) as teacher_head:
+                if t in self.heads.projections:
+                    out = projected_divergence(
+                        hidden_NH[sel],
+                        head,
+                        mb.teacher_hidden[t],
+                        teacher_head,
+                        self.heads.projections[t],
+                        weights=weights_N[sel],
+                        teacher_transform=self.heads.transforms[t],
+                        **options,
+                    )
+                else:
+                    out = linear_divergence(
+                        hidden_NH[sel],
+                        head,
+                        mb.teacher_hidden[t],
+                        {t: teacher_head},
+                        None,
+                        weights=weights_N[sel],
+                        teacher_transforms=self.heads.transforms,
+                        **options,
+                    )
+            loss = loss + out.loss
+            per_token[sel] = out.per_token
+        return loss, per_token
+
 
 class StepStats:
     """Sums over trained tokens, per teacher, reduced over the data-parallel ranks."""
 
-    def __init__(self, num_teachers: int) -> None:
+    def __init__(self, num_teachers: int, cross: Collection[int] = ()) -> None:
         self.local_nonfinite = 0.0  # this rank's own count, kept through `reduce`
         self.sums = torch.zeros(num_teachers, dtype=torch.float64)
         self.counts = torch.zeros(num_teachers, dtype=torch.float64)
+        # Teachers of other tokenizers (`cross`): their trained tokens with no aligned teacher position.
+        self.cross = sorted(cross)
+        self.unaligned = torch.zeros(num_teachers, dtype=torch.float64)
         self.extremes = torch.tensor([math.inf, math.inf], dtype=torch.float64)  # min, −max: both minimised
         self.nonfinite = torch.zeros(num_teachers, dtype=torch.float64)
         self.loss = torch.zeros((), dtype=torch.float64)
         self.ce: torch.Tensor | None = None  # the CE term's sum over the microbatches, when it is on
 
     def add(
-        self, per_token: torch.Tensor, teacher: torch.Tensor, loss: torch.Tensor, ce: torch.Tensor | None
+        self,
+        per_token: torch.Tensor,
+        teacher: torch.Tensor,
+        loss: torch.Tensor,
+        ce: torch.Tensor | None,
+        unaligned: torch.Tensor | None = None,
     ) -> None:
+        """`per_token` and `teacher`: the tokens with a divergence; `unaligned`: the teacher of each
+        trained token without one (a teacher of another tokenizer with no aligned position there)."""
+        if unaligned is not None:
+            self.unaligned.index_add_(0, unaligned, torch.ones(unaligned.shape[0], dtype=torch.float64))
         values = per_token.detach().double().cpu()
         finite = torch.isfinite(values)
         self.nonfinite.index_add_(0, teacher[~finite], torch.ones(int((~finite).sum()), dtype=torch.float64))
@@ -171,12 +215,14 @@ class StepStats:
         """Sums over the ranks of `dp` (ranks that report nothing add zeros)."""
         self.local_nonfinite = float(self.nonfinite.sum())
         ce = torch.zeros(()) if self.ce is None else self.ce
-        packed = dp.all_reduce(torch.cat([self.sums, self.counts, self.nonfinite, self.loss[None], ce[None]]))
+        parts = [self.sums, self.counts, self.nonfinite, self.unaligned, self.loss[None], ce[None]]
+        packed = dp.all_reduce(torch.cat(parts))
         k = self.sums.shape[0]
-        self.sums, self.counts, self.nonfinite, self.loss = (
+        self.sums, self.counts, self.nonfinite, self.unaligned, self.loss = (
             packed[:k],
             packed[k : 2 * k],
             packed[2 * k : 3 * k],
+            packed[3 * k : 4 * k],
             packed[-2],
         )
         if self.ce is not None:
@@ -186,7 +232,7 @@ class StepStats:
     def divergences(self) -> DivergenceStats:
         present = self.counts > 0
         total = float(self.counts.sum())
-        return DivergenceStats(
+        stats = DivergenceStats(
             divergence=float(self.sums.sum()) / total if total else 0.0,
             divergence_by_teacher={
                 str(t): float(self.sums[t] / self.counts[t]) for t in present.nonzero()[:, 0].tolist()
@@ -195,3 +241,8 @@ class StepStats:
             divergence_max=float(-self.extremes[1]) if total else 0.0,
             trained_tokens=int(total),
         )
+        trained = self.counts + self.unaligned
+        shares = {str(t): float(self.counts[t] / trained[t]) for t in self.cross if trained[t] > 0}
+        if shares:  # the share of each such teacher's trained tokens that an aligned position supervised
+            stats["aligned_share_by_teacher"] = shares
+        return stats

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,7 @@ from mopd.train.backends.protocol import LossFn, TrainStudent
 from mopd.train.backends.registry import backend
 from mopd.train.data.loader import MicroBatch, read_microbatches
 from mopd.train.data.order import rank_microbatches
-from mopd.train.heads import TeacherHeads
+from mopd.train.heads import TeacherHeads, teacher_projections
 from mopd.train.objective import Objective, StepStats, teacher_weights
 from mopd.train.report.metrics import EvalRecord
 from mopd.train.vocabulary import distilled_vocabulary
@@ -74,6 +75,17 @@ class Session:
     def num_teachers(self) -> int:
         return max(t.index for t in self.store.manifest.teachers) + 1
 
+    @cached_property
+    def projection_fingerprints(self) -> dict[int, str]:
+        """Each teacher of another tokenizer's projection, by fingerprint (the run record's)."""
+        files = self.config.cross_tokenizer.projection
+        return {t: p.fingerprint for t, p in teacher_projections(self.store, files).items()}
+
+    @property
+    def cross_teachers(self) -> list[int]:
+        """The teachers of other tokenizers than the student's (DESIGN §13)."""
+        return [t.index for t in self.store.manifest.teachers if t.tokenizer is not None]
+
     @property
     def teacher_list(self) -> list[TeacherIdentity]:
         return self.store.manifest.teacher_list()
@@ -89,7 +101,14 @@ class Session:
             terms = self.objective(hidden, head if train else head.detach(), mb, norm_of(mb))
             if self.student.reports:
                 loss = terms.loss if train else torch.zeros(())
-                stats.add(terms.per_token, mb.teacher_index, loss, terms.ce if train else None)
+                # Tokens of a teacher of another tokenizer with no aligned teacher position carry no
+                # divergence: they are left out of its mean.
+                per_token, teacher_index, unaligned = terms.per_token, mb.teacher_index, None
+                if mb.aligned is not None:
+                    per_token = per_token[mb.aligned.to(per_token.device)]
+                    teacher_index = teacher_index[mb.aligned.cpu()]
+                    unaligned = mb.teacher_index[~mb.aligned.cpu()]
+                stats.add(per_token, teacher_index, loss, terms.ce if train else None, unaligned)
             return terms.loss, None
 
         return loss_fn
@@ -98,7 +117,7 @@ class Session:
     def evaluate(self, rows: np.ndarray, *, step: int) -> EvalRecord:
         """Mean divergence per trained token of `rows` (store rows), by teacher (no weighting, no CE)."""
         self.student.train(False)
-        stats = StepStats(self.num_teachers)
+        stats = StepStats(self.num_teachers, self.cross_teachers)
         microbatches = read_microbatches(
             self.store,
             rank_microbatches(
@@ -156,6 +175,7 @@ def open_session(config: MopdConfig, *, store_path: str | Path | None = None, lo
             device=device,
             vocab_start=vocab_start,
             vocab_stop=vocab_stop,
+            projection_files=tc.cross_tokenizer.projection,
         )
         objective = Objective(
             tc.divergence,

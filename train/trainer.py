@@ -192,7 +192,7 @@ class Trainer:
         self.identity = RunIdentity(
             store=self.store.root,
             teachers=session.teacher_list,
-            run=run_record(tc, self.store.manifest),
+            run=run_record(tc, self.store.manifest, self.session.projection_fingerprints),
             layout=self.student.layout,
         )
 
@@ -294,7 +294,7 @@ class Trainer:
                 f"train.batch.global_batch_tokens {self.tc.batch.global_batch_tokens}: leave out rows "
                 "without any, or precompute rows whose loss_mask marks what to distil"
             )
-        stats = StepStats(self.session.num_teachers)
+        stats = StepStats(self.session.num_teachers, self.session.cross_teachers)
         norm_of = lambda mb: self._token_norm(mb, denominator)  # noqa: E731
         self.student.forward_backward(batch.microbatches, self.session.loss_fn(stats, norm_of, train=True))
         self.student.finish_gradients()

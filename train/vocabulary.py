@@ -19,14 +19,14 @@ def distilled_vocabulary(manifest: Manifest, *, student_rows: int, override: int
 
     Raises:
         ConfigError: V exceeds the student's or a teacher's rows (naming both sizes), the override
-            exceeds the tokenizer, or a teacher has another tokenizer.
+            exceeds the tokenizer, or is set with teachers of another tokenizer.
     """
     cross = [f"{t.index} ({', '.join(t.aliases)})" for t in manifest.teachers if t.tokenizer is not None]
-    if cross:
+    if cross and override is not None:
         raise ConfigError(
-            f"the store's teachers {', '.join(cross)} have another tokenizer than "
-            f"{manifest.tokenizer.name}; this version of mopd precomputes such teachers but does not yet "
-            "train from them: train from a store without them"
+            f"train.vocab_size: the store's teachers {', '.join(cross)} have another tokenizer, whose "
+            f"projections cover all {manifest.tokenizer.vocab_size} tokens of {manifest.tokenizer.name}; "
+            "leave train.vocab_size unset"
         )
     tokens = manifest.tokenizer.vocab_size
     if override is not None and override > tokens:
@@ -43,6 +43,8 @@ def distilled_vocabulary(manifest: Manifest, *, student_rows: int, override: int
             "are not the model's)"
         )
     for teacher in manifest.teachers:
+        if teacher.tokenizer is not None:  # its rows are its own vocabulary's, projected onto this one
+            continue
         if teacher.vocab_size < vocab:
             raise ConfigError(
                 f"teacher {teacher.index} ({teacher.checkpoint}) has {teacher.vocab_size} output rows, "

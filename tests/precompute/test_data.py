@@ -212,7 +212,7 @@ def test_a_job_copies_only_published_ingest_records_into_a_bucket(tmp_path: Path
     record until the rename, is not a record to copy (one renamed away between the listing and the read
     failed a job with FileNotFoundError, and one read in time would land in the bucket under a
     temporary's name)."""
-    from mopd.precompute.runner import publish_ingest_records
+    from mopd.precompute.ingest import publish_ingest_records
     from mopd.store.format.provenance import INGEST_DIR, INGEST_RECORD
 
     cache = tmp_path / "cache"

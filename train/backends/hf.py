@@ -29,6 +29,7 @@ from mopd.config.train import TrainConfig
 from mopd.store.format.fingerprint import vocab_hash
 from mopd.store.format.manifest import Manifest
 from mopd.store.format.transform import LogitTransform
+from mopd.tokens.pieces import tokenizer_fingerprint
 from mopd.train.backends.groups import RankGroup, sum_over_ranks
 from mopd.train.backends.protocol import (
     MODEL_DIR,
@@ -62,8 +63,22 @@ def check_tokenizer(checkpoint: Path, manifest: Manifest) -> None:
     if tokenizer_file.exists() and vocab_hash(checkpoint) != manifest.tokenizer.vocab_hash:
         raise ConfigError(
             f"train.student: {checkpoint} has another tokenizer vocabulary than the store "
-            f"({manifest.tokenizer.name}); student and teachers must share one vocabulary"
+            f"({manifest.tokenizer.name}); the store's rows are in that vocabulary: precompute a store "
+            "with the student's (set `tokenizer:` to it)"
         )
+    # A store with teachers of other tokenizers was aligned to one tokenizer, bound by its fingerprint:
+    # the same vocabulary tokenising otherwise (another normaliser, chat template) would misalign.
+    if tokenizer_file.exists() and manifest.tokenizer.fingerprint:
+        from transformers import AutoTokenizer
+
+        found = tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(checkpoint)))
+        if found != manifest.tokenizer.fingerprint:
+            raise ConfigError(
+                f"train.student: {checkpoint}'s tokenizer is not the one the store's teachers of other "
+                f"tokenizers were aligned to ({manifest.tokenizer.name}, fingerprint "
+                f"{manifest.tokenizer.fingerprint[:12]}, the student's {found[:12]}); precompute the "
+                "store again with this student"
+            )
 
 
 def load_student_tokenizer(checkpoint: Path) -> Any:

@@ -51,11 +51,20 @@ def _flatten(prefix: str, section: BaseModel, out: dict[str, Any]) -> None:
 RunRecord: TypeAlias = dict[str, JsonValue]
 
 
-def run_record(tc: TrainConfig, manifest: Manifest) -> RunRecord:
-    """The fields a resume must find unchanged, as dotted names → JSON values."""
+# Recorded by what they decide, not as written: a projection file by its entries' fingerprint, under this
+# name, as the store's own projections are (and only in a run with teachers of other tokenizers).
+PROJECTIONS = "train.cross_tokenizer.projection"
+
+
+def run_record(tc: TrainConfig, manifest: Manifest, projections: dict[int, str] | None = None) -> RunRecord:
+    """The fields a resume must find unchanged, as dotted names → JSON values. `projections`: each
+    teacher of another tokenizer's projection fingerprint."""
     fields: dict[str, Any] = {}
     _flatten("train", tc, fields)
-    fields = {k: v for k, v in fields.items() if not any(k == r or k.startswith(r + ".") for r in RESUMABLE)}
+    skipped = (*RESUMABLE, PROJECTIONS)
+    fields = {k: v for k, v in fields.items() if not any(k == r or k.startswith(r + ".") for r in skipped)}
+    if projections:
+        fields[PROJECTIONS] = {str(t): fingerprint for t, fingerprint in sorted(projections.items())}
     fields["store.manifest_hash"] = manifest.hash()
     fields["store.dataset_fingerprint"] = manifest.dataset.fingerprint
     fields["store.encoding"] = manifest.storage.encoding

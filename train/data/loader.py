@@ -6,7 +6,9 @@ teacher's hidden states at the trained positions only (the kernel never needs th
 
 Token order: the trained tokens of a microbatch are its loss-masked positions in row-major order
 (`loss_mask[b, t]` trains the prediction made at position t, of token t + 1). `teacher_hidden[t]` holds
-teacher t's trained tokens in that same order, which is what `linear_divergence` expects.
+teacher t's trained tokens in that same order, which is what `linear_divergence` expects. A teacher of
+another tokenizer (DESIGN §13) has states at its own positions: `teacher_hidden[t]` holds, for each of
+its trained tokens that an aligned teacher position supervises (`aligned`), that position's state.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class MicroBatch:
     token_row: torch.Tensor  # [N] batch position of each trained token's row
     labels: torch.Tensor  # [N] the token each trained position predicts (IGNORE where none)
     teacher_hidden: dict[int, torch.Tensor]  # teacher -> [N_t, H_t], its trained tokens in order
+    # [N] bool: the token has a teacher state (every token of a teacher of the store's tokenizer; an
+    # aligned one of a teacher of another). None: every token has one.
+    aligned: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +60,7 @@ class MicroBatch:
             token_row=move(self.token_row),
             labels=move(self.labels),
             teacher_hidden={t: move(h) for t, h in self.teacher_hidden.items()},
+            aligned=self.aligned,
         )
 
 
@@ -82,28 +88,56 @@ def read_microbatches(
     trained = np.array([with_teacher_states and bool(row.loss_mask.any()) for row in stored], dtype=bool)
     states = store.hiddens(every[trained]) if trained.any() else []
     hidden_of = dict(zip(np.flatnonzero(trained).tolist(), states, strict=True))
+    # A row of a teacher of another tokenizer: which of its states each position reads (−1: none).
+    own = {t.index for t in store.teachers if t.tokenizer is not None}
+    aligned_of = {
+        k: store.alignment(int(every[k])).aligned for k in hidden_of if stored[k].teacher_index in own
+    }
     out, at = [], 0
     for rows in microbatch_rows:
         positions = range(at, at + len(rows))
-        out.append(_collate(rows, [stored[k] for k in positions], [hidden_of.get(k) for k in positions]))
+        out.append(
+            _collate(
+                rows,
+                [stored[k] for k in positions],
+                [hidden_of.get(k) for k in positions],
+                [aligned_of.get(k) for k in positions],
+            )
+        )
         at += len(rows)
     return out
 
 
-def _collate(rows: np.ndarray, stored: list[Row], states: list[torch.Tensor | None]) -> MicroBatch:
-    """Pads the rows to the longest and keeps each row's teacher states at its trained positions."""
+def _collate(
+    rows: np.ndarray,
+    stored: list[Row],
+    states: list[torch.Tensor | None],
+    aligned: list[np.ndarray | None] | None = None,
+) -> MicroBatch:
+    """Pads the rows to the longest and keeps each row's teacher states at its trained positions (a
+    row of a teacher of another tokenizer: the states of the teacher positions aligned with them)."""
+    aligned = aligned or [None] * len(stored)
     longest = max(row.input_ids.shape[0] for row in stored)
     input_ids = torch.zeros(len(stored), longest, dtype=torch.long)
     attention = torch.zeros(len(stored), longest, dtype=torch.long)
     loss_mask = torch.zeros(len(stored), longest, dtype=torch.bool)
     labels = torch.full((len(stored), longest), IGNORE, dtype=torch.long)
     hidden: dict[int, list[torch.Tensor]] = {}
+    has_state: list[torch.Tensor] = []
     for b, (row, state) in enumerate(zip(stored, states, strict=True)):
         length = row.input_ids.shape[0]
         input_ids[b, :length] = row.input_ids
         attention[b, :length] = 1
         loss_mask[b, :length] = row.loss_mask
         labels[b, : length - 1] = row.input_ids[1:]
+        which = aligned[b]
+        if which is not None:
+            at = torch.as_tensor(which)[row.loss_mask]
+            has_state.append(at >= 0)
+            if state is not None:
+                hidden.setdefault(row.teacher_index, []).append(state[at[at >= 0]])
+            continue
+        has_state.append(torch.ones(int(row.loss_mask.sum()), dtype=torch.bool))
         if state is not None:
             hidden.setdefault(row.teacher_index, []).append(state[row.loss_mask])
     row_teacher_index = torch.tensor([row.teacher_index for row in stored], dtype=torch.long)
@@ -117,6 +151,7 @@ def _collate(rows: np.ndarray, stored: list[Row], states: list[torch.Tensor | No
         token_row=token_row,
         labels=labels[loss_mask],
         teacher_hidden={t: torch.cat(parts) for t, parts in hidden.items()},
+        aligned=None if all(a is None for a in aligned) else torch.cat(has_state),
     )
 
 

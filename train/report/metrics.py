@@ -44,7 +44,9 @@ class DivergenceStats(TypedDict):
     divergence_by_teacher: dict[str, float]  # mean over each teacher's tokens, by teacher index
     divergence_min: float
     divergence_max: float
-    trained_tokens: int
+    trained_tokens: int  # those with a divergence
+    # Teachers of other tokenizers: the share of their trained tokens with an aligned teacher position.
+    aligned_share_by_teacher: NotRequired[dict[str, float]]
 
 
 class EvalRecord(DivergenceStats):
@@ -196,7 +198,8 @@ def step_line(record: TrainRecord, total_steps: int, names: TeacherNames, eta: f
     return (
         f"step {record['step']}/{total_steps} loss {record['loss']:.4g}{ce} div {record['divergence']:.4g} "
         f"[{_by_teacher(record['divergence_by_teacher'], names)}] min {record['divergence_min']:.3g} "
-        f"max {record['divergence_max']:.3g} gnorm {record['grad_norm']:.3g} lr {record['lr']:.3g} "
+        f"max {record['divergence_max']:.3g}{_aligned(record, names)} gnorm {record['grad_norm']:.3g} "
+        f"lr {record['lr']:.3g} "
         f"{record['tokens_per_s']:,.0f} tok/s (data wait {record['data_wait']:.0%}) "
         f"mem {record['memory_gib']:.2f} GiB{left}"
     )
@@ -206,8 +209,16 @@ def eval_line(record: EvalRecord, names: TeacherNames) -> str:
     """The line printed per evaluation: 4 significant digits, teachers by name."""
     return (
         f"eval step {record['step']}: divergence {record['divergence']:.4g} "
-        f"[{_by_teacher(record['divergence_by_teacher'], names)}]"
+        f"[{_by_teacher(record['divergence_by_teacher'], names)}]{_aligned(record, names)}"
     )
+
+
+def _aligned(record: DivergenceStats, names: TeacherNames) -> str:
+    """' aligned [name=share …]' for teachers of other tokenizers; '' without any."""
+    shares = record.get("aligned_share_by_teacher")
+    if not shares:
+        return ""
+    return " aligned [" + " ".join(f"{n}={v:.1%}" for n, v in by_name(shares, names).items()) + "]"
 
 
 def plot_metrics(metrics: Path, out: Path) -> Path:

@@ -46,6 +46,8 @@ def scalars(record: Record | Mapping[str, Any], names: TeacherNames) -> dict[str
             continue
         if key == "divergence_by_teacher":
             out |= {f"{split}/divergence/{name}": v for name, v in by_name(value, names).items()}
+        elif key == "aligned_share_by_teacher":
+            out |= {f"{split}/aligned_share/{name}": v for name, v in by_name(value, names).items()}
         else:
             out[f"{split}/{key}"] = float(value)
     return out
