@@ -38,7 +38,7 @@ from bench.scale import run_measured, write_dataset  # noqa: E402
 from mopd.precompute.packaged_models import smollm2_checkpoint  # noqa: E402
 from mopd.precompute.teachers import load_tokenizer  # noqa: E402
 from mopd.store import open_store  # noqa: E402
-from mopd.store.format.manifest import load_manifest  # noqa: E402
+from mopd.store.format.loading import load_manifest  # noqa: E402
 from mopd.train.data.loader import read_microbatches  # noqa: E402
 from mopd.train.data.order import epoch_steps, rank_microbatches  # noqa: E402
 from mopd.train.report.metrics import METRICS_FILE, read_metrics  # noqa: E402

@@ -16,7 +16,7 @@ from rich.table import Table
 from mopd.base.errors import MopdError
 from mopd.cli.arguments import STORE
 from mopd.config.mopd_config import load_config
-from mopd.store.format.manifest import read_manifest
+from mopd.store.format.loading import read_manifest
 from mopd.store.locations.location import open_location
 from mopd.store.summary import summarise_store
 from mopd.store.verify import verify_store

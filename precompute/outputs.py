@@ -19,6 +19,7 @@ from mopd.precompute.backends import HiddenStateSource, TeacherModel
 from mopd.precompute.data import TokenizedRows
 from mopd.store.arrays.dtypes import TORCH_DTYPES
 from mopd.store.codec.int8_rotated import Calibration, Encoding
+from mopd.store.format.loading import load_part
 from mopd.store.format.manifest import (
     EXACT,
     EncodingTask,
@@ -27,7 +28,6 @@ from mopd.store.format.manifest import (
     ProjectionTask,
     RowsTask,
     ShardTask,
-    load_part,
 )
 from mopd.store.task_writers import (
     HiddenShardWriter,

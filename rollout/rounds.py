@@ -36,7 +36,8 @@ from mopd.precompute.records import load_records
 from mopd.precompute.runner import run_precompute
 from mopd.precompute.teachers import load_tokenizer, tokenizer_checkpoint
 from mopd.rollout.runner import run_rollout
-from mopd.store.format.manifest import MANIFEST_FILE, read_manifest
+from mopd.store.format.loading import read_manifest
+from mopd.store.format.manifest import MANIFEST_FILE
 from mopd.store.format.teachers import alias_to_index, assign_teacher_indices
 from mopd.store.verify import verify_store
 from mopd.train.checkpoint.export import export_hf

@@ -12,6 +12,7 @@ from mopd.base.fsio import safe_relative
 from mopd.store.arrays.binding import Recorded
 from mopd.store.arrays.read import ArrayReader
 from mopd.store.format.layout import ROW_IDS, TEACHER_INDEX
+from mopd.store.format.loading import load_manifest
 from mopd.store.format.manifest import (
     CROSS_TOKENIZER,
     FORMAT,
@@ -35,7 +36,6 @@ from mopd.store.format.manifest import (
     TaskSpec,
     TeacherEntry,
     canonical_json,
-    load_manifest,
 )
 from mopd.store.locations.location import Location
 

@@ -7,15 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mopd.store.arrays.write import storage_dtype
-from mopd.store.format.manifest import (
-    EncodingInfo,
-    Manifest,
-    parse_part,
-    part_key,
-    read_calibration,
-    read_manifest,
-    read_record,
-)
+from mopd.store.format.loading import part_key, read_calibration, read_manifest, read_record
+from mopd.store.format.manifest import EncodingInfo, Manifest, parse_part
 from mopd.store.locations.location import Location, open_location
 
 

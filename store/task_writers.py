@@ -40,6 +40,7 @@ from mopd.store.format.layout import (
     rows_arrays,
     shard_arrays,
 )
+from mopd.store.format.loading import read_calibration
 from mopd.store.format.manifest import (
     CALIBRATION_FILE,
     EXACT,
@@ -48,7 +49,6 @@ from mopd.store.format.manifest import (
     HeadInfo,
     PartRecord,
     canonical_json,
-    read_calibration,
 )
 from mopd.store.locations.location import Location
 from mopd.store.writer import TaskOutput

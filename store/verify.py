@@ -25,6 +25,7 @@ from mopd.store.arrays.read import array_header, check_recorded_chunks
 from mopd.store.arrays.write import storage_dtype
 from mopd.store.format.fingerprint import checkpoint_fingerprint
 from mopd.store.format.layout import artifact_arrays
+from mopd.store.format.loading import part_key, read_manifest, read_record
 from mopd.store.format.manifest import (
     ArtifactRecord,
     Manifest,
@@ -32,9 +33,6 @@ from mopd.store.format.manifest import (
     TeacherEntry,
     artifact_hash,
     parse_part,
-    part_key,
-    read_manifest,
-    read_record,
 )
 from mopd.store.format.teachers import (
     TeacherSlot,

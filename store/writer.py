@@ -23,6 +23,7 @@ from mopd.base.fsio import file_digests, safe_relative
 from mopd.store.arrays.write import ArrayAppender, create_array, write_array, write_strings
 from mopd.store.finalize import build_manifest, publish_manifest
 from mopd.store.format.layout import ArraySpec
+from mopd.store.format.loading import load_part, load_plan, part_key, read_record
 from mopd.store.format.manifest import (
     PARTS_DIR,
     PLAN_FILE,
@@ -34,11 +35,7 @@ from mopd.store.format.manifest import (
     TaskSpec,
     artifact_hash,
     canonical_json,
-    load_part,
-    load_plan,
     parse_part,
-    part_key,
-    read_record,
 )
 from mopd.store.locations.location import Location, open_location
 from mopd.store.temporaries import remove_stopped

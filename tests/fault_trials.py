@@ -204,7 +204,7 @@ def one_line_error(stderr: str, op: str, code: str, k: int) -> str | None:
 
 def published_folders_complete(store: Path, reference: dict[str, Any]) -> bool:
     """Every task folder under its final name holds exactly the reference's files for it."""
-    from mopd.store.format.manifest import load_plan
+    from mopd.store.format.loading import load_plan
 
     if not (store / "_plan.json").exists():
         return True

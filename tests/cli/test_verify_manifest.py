@@ -273,7 +273,7 @@ def test_folders_checked_in_several_processes_find_what_one_process_finds(
     """Large stores split the folder checks over processes: the same problems, in the same order, and
     the same files to hash, as one process; also from a caller with threads running (whose children
     start from a fork server)."""
-    from mopd.store.format.manifest import read_manifest
+    from mopd.store.format.loading import read_manifest
     from mopd.store.locations.folder import Folder
     from mopd.store.verify import _folder_checks
 

@@ -22,7 +22,8 @@ from mopd.precompute.runner import run_precompute
 from mopd.store import open_store
 from mopd.store.codec.int8_rotated import Calibration, expected_kl, kl_bound, logit_divergence
 from mopd.store.format.layout import CODES, MEAN
-from mopd.store.format.manifest import CALIBRATION_FILE, INT8_ROTATED, MANIFEST_FILE, PLAN_FILE, load_plan
+from mopd.store.format.loading import load_plan
+from mopd.store.format.manifest import CALIBRATION_FILE, INT8_ROTATED, MANIFEST_FILE, PLAN_FILE
 from mopd.store.format.transform import LogitTransform
 from mopd.store.summary import summarise_store
 from mopd.store.verify import verify_store

@@ -145,7 +145,7 @@ def test_a_damaged_manifest_says_how_to_rebuild_it_and_that_rebuilds_it(
     manifest from the part records, computing nothing again."""
     import shutil
 
-    from mopd.store.format.manifest import load_manifest
+    from mopd.store.format.loading import load_manifest
 
     config, reference, _ = setup
     store = Path(shutil.copytree(config.parent / "reference.zarr", tmp_path / "store.zarr"))

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from mopd.store.format.manifest import load_manifest
+from mopd.store.format.loading import load_manifest
 from tests.fault_trials import (
     REPO,
     cli,

@@ -23,7 +23,8 @@ from mopd.cli.main import cli
 from mopd.store import open_store
 from mopd.store.arrays import read as chunks
 from mopd.store.format.layout import HIDDEN
-from mopd.store.format.manifest import MANIFEST_FILE, PARTS_DIR, load_manifest, load_part, part_key
+from mopd.store.format.loading import load_manifest, load_part, part_key
+from mopd.store.format.manifest import MANIFEST_FILE, PARTS_DIR
 from mopd.store.locations.bucket import Bucket
 from mopd.store.locations.location import merged, open_location
 from mopd.store.verify import verify_store

@@ -14,7 +14,8 @@ from mopd.base.errors import CheckpointError
 from mopd.config.mopd_config import load_config
 from mopd.precompute.runner import run_precompute
 from mopd.store import open_store
-from mopd.store.format.manifest import INT8_ROTATED, read_manifest
+from mopd.store.format.loading import read_manifest
+from mopd.store.format.manifest import INT8_ROTATED
 from mopd.train.checkpoint.state import complete_checkpoints
 from mopd.train.checkpoint.verify import check_checkpoint
 from mopd.train.trainer import run_training

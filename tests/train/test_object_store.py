@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from mopd.cli.main import cli
 from mopd.store.format.layout import HIDDEN
-from mopd.store.format.manifest import load_manifest
+from mopd.store.format.loading import load_manifest
 from mopd.store.locations.bucket import Bucket
 from mopd.store.locations.folder import Folder
 from mopd.train.trainer import run_training

@@ -14,7 +14,7 @@ from mopd.base.errors import CheckpointError
 from mopd.cli.main import cli
 from mopd.config.mopd_config import EFFECTIVE_CONFIG_FILE, load_config
 from mopd.store import open_store
-from mopd.store.format.manifest import load_plan
+from mopd.store.format.loading import load_plan
 from mopd.train.checkpoint.run_record import RESUMABLE, diff_run_records, run_record
 from mopd.train.checkpoint.state import complete_checkpoints
 from mopd.train.report.metrics import METRICS_FILE, read_metrics
