@@ -342,6 +342,45 @@ class _FusedLinearLoss(torch.autograd.Function):
         return scale(grad_hs), scale(grad_ws), None
 
 
+def token_weights(weights: torch.Tensor | None, num_tokens: int, device: torch.device) -> torch.Tensor:
+    """The [N] token weights of a call: as given (checked), or 1/N each."""
+    if weights is None:
+        return torch.full((num_tokens,), 1.0 / max(num_tokens, 1), device=device)
+    if weights.shape != (num_tokens,):
+        raise ValueError(f"weights has shape {tuple(weights.shape)}, expected ({num_tokens},)")
+    return weights
+
+
+def fused_loss(
+    student_hidden: torch.Tensor,
+    student_head: torch.Tensor,
+    objective: _ChunkObjective,
+    *,
+    weights: torch.Tensor,
+    temperature: float,
+    chunk_size: int | Literal["auto"],
+    valid: torch.Tensor | None,
+    tp_group: Any,
+    compiled: bool,
+    order: torch.Tensor | None = None,
+) -> DivergenceOutput:
+    """`objective` through the chunk loop every fused loss shares (`_FusedLinearLoss`)."""
+    device = student_hidden.device
+    plan = _Plan(
+        objective=objective,
+        order=order,
+        weights=weights.detach().float(),
+        temperature=float(temperature),
+        chunk_size=chunk_size_for(chunk_size, device),
+        valid=valid,
+        group=tp_group,
+        native=native_gemms(device),
+        compiled=compiled,
+    )
+    loss, per_token = _FusedLinearLoss.apply(student_hidden, student_head, plan)
+    return DivergenceOutput(loss=loss, per_token=per_token)
+
+
 def linear_divergence(
     student_hidden: torch.Tensor,
     student_head: torch.Tensor,
@@ -394,7 +433,6 @@ def linear_divergence(
         student_hidden, student_head, teacher_hidden, teacher_heads, teacher_index, kind
     )
     device = student_hidden.device
-    chunk = chunk_size_for(chunk_size, device)
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     num_tokens, local_vocab = student_hidden.shape[0], student_head.shape[0]
@@ -403,12 +441,6 @@ def linear_divergence(
     valid = _valid_columns(vocab_start, local_vocab, vocab_size, device)
     order = torch.argsort(teacher_index, stable=True).to(device)  # group tokens by teacher
     transforms = {t: (teacher_transforms or {}).get(t, LogitTransform()) for t in rows}
-    weights = (
-        torch.full((num_tokens,), 1.0 / max(num_tokens, 1), device=device) if weights is None else weights
-    )
-    if weights.shape != (num_tokens,):
-        raise ValueError(f"weights has shape {tuple(weights.shape)}, expected ({num_tokens},)")
-    native = native_gemms(device)
     objective = _SoftTargets(
         kind,
         float(beta),
@@ -417,19 +449,18 @@ def linear_divergence(
         heads={t: teacher_heads[t].detach() for t in rows},
         transforms=transforms,
     )
-    plan = _Plan(
-        objective=objective,
-        order=order,
-        weights=weights.detach().float(),
-        temperature=float(temperature),
-        chunk_size=chunk,
+    return fused_loss(
+        student_hidden,
+        student_head,
+        objective,
+        weights=token_weights(weights, num_tokens, device),
+        temperature=temperature,
+        chunk_size=chunk_size,
         valid=valid,
-        group=tp_group,
-        native=native,
+        tp_group=tp_group,
         compiled=compiled,
+        order=order,
     )
-    loss, per_token = _FusedLinearLoss.apply(student_hidden, student_head, plan)
-    return DivergenceOutput(loss=loss, per_token=per_token)
 
 
 def linear_cross_entropy(
@@ -462,20 +493,17 @@ def linear_cross_entropy(
     if labels.numel() and int(labels.max()) >= vocab_size:
         raise ValueError(f"a label is ≥ the vocabulary size {vocab_size}")
     valid = _valid_columns(vocab_start, local_vocab, vocab_size, device)
-    weights = (
-        torch.full((num_tokens,), 1.0 / max(num_tokens, 1), device=device) if weights is None else weights
-    )
+    weights = token_weights(weights, num_tokens, device)
     labels = labels.to(device)
-    plan = _Plan(
-        objective=_HardLabels(torch.where(labels < 0, -(10**12), labels), int(vocab_start)),  # no rank's
-        order=None,
+    out = fused_loss(
+        student_hidden,
+        student_head,
+        _HardLabels(torch.where(labels < 0, -(10**12), labels), int(vocab_start)),  # no rank's
         weights=torch.where(labels < 0, 0.0, weights.detach().float()),
-        temperature=float(temperature),
-        chunk_size=chunk_size_for(chunk_size, device),
+        temperature=temperature,
+        chunk_size=chunk_size,
         valid=valid,
-        group=tp_group,
-        native=native_gemms(device),
+        tp_group=tp_group,
         compiled=compiled,
     )
-    loss, per_token = _FusedLinearLoss.apply(student_hidden, student_head, plan)
-    return DivergenceOutput(loss=loss, per_token=torch.where(labels < 0, 0.0, per_token))
+    return DivergenceOutput(loss=out.loss, per_token=torch.where(labels < 0, 0.0, out.per_token))

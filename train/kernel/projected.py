@@ -28,16 +28,16 @@ import torch.distributed as dist
 
 from mopd.store.format.transform import LogitTransform
 from mopd.tokens.projection import Projection
-from mopd.train.kernel.chunk_chain import chunk_size_for
 from mopd.train.kernel.divergence import (
     KINDS,
     DivergenceOutput,
-    _FusedLinearLoss,
     _Plan,
     _SoftTargets,
     _temper,
+    fused_loss,
+    token_weights,
 )
-from mopd.train.kernel.gemm import mm, native_gemms
+from mopd.train.kernel.gemm import mm
 
 
 @dataclass(frozen=True)
@@ -203,11 +203,6 @@ def projected_divergence(
         )
     device = student_hidden.device
     local = LocalProjection.of(projection, vocab_start=vocab_start, local_vocab=local_vocab, device=device)
-    weights = (
-        torch.full((num_tokens,), 1.0 / max(num_tokens, 1), device=device) if weights is None else weights
-    )
-    if weights.shape != (num_tokens,):
-        raise ValueError(f"weights has shape {tuple(weights.shape)}, expected ({num_tokens},)")
     objective = _ProjectedTargets(
         kind,
         float(beta),
@@ -217,19 +212,17 @@ def projected_divergence(
         heads={0: teacher_head.detach()[: projection.teacher_vocab]},
         transforms={0: teacher_transform or LogitTransform()},
     )
-    plan = _Plan(
-        objective=objective,
-        order=None,
-        weights=weights.detach().float(),
-        temperature=float(temperature),
-        chunk_size=chunk_size_for(chunk_size, device),
+    return fused_loss(
+        student_hidden,
+        student_head,
+        objective,
+        weights=token_weights(weights, num_tokens, device),
+        temperature=temperature,
+        chunk_size=chunk_size,
         valid=local.reached,  # padded columns and columns no teacher token reaches: out of both softmaxes
-        group=tp_group,
-        native=native_gemms(device),
+        tp_group=tp_group,
         compiled=compiled,
     )
-    loss, per_token = _FusedLinearLoss.apply(student_hidden, student_head, plan)
-    return DivergenceOutput(loss=loss, per_token=per_token)
 
 
 def reference_projected_divergence(
