@@ -41,16 +41,8 @@ from mopd.store.format.layout import (
     TOKEN_IDS,
     WEIGHT,
 )
-from mopd.store.format.manifest import (
-    EncodingInfo,
-    PartRecord,
-    ShardArtifact,
-    TeacherEntry,
-    parse_part,
-    part_key,
-    read_manifest,
-    read_record,
-)
+from mopd.store.format.loading import part_key, read_manifest, read_record
+from mopd.store.format.manifest import EncodingInfo, PartRecord, ShardArtifact, TeacherEntry, parse_part
 from mopd.store.format.transform import LogitTransform
 from mopd.store.locations.location import Location, open_location, shared_pool
 from mopd.store.task_writers import read_encoding
@@ -302,14 +294,9 @@ class TeacherStore:
         Raises:
             ValueError: the row's teacher shares the store's tokenizer.
         """
-        teacher = self.teacher(self.row(i).teacher_index)
-        if teacher.tokenizer is None:
-            raise ValueError(f"row {i}'s teacher {teacher.index} shares the store's tokenizer: no alignment")
-        shard_of, starts = self._aligned_locations
-        shard = self.manifest.shards[int(shard_of[i])]
+        shard, student = self._aligned_row(i)
         _, token_starts, token_stops = self._row_locations
         own = slice(int(token_starts[i]), int(token_stops[i]))
-        student = slice(int(starts[i]), int(starts[i]) + int(self.lengths[i]))
         read = lambda name, span: self._array(shard.path, name).read(span.start, span.stop)  # noqa: E731
         return StoredAlignment(
             token_ids=read(TOKEN_IDS, own).astype(np.int64),
@@ -317,6 +304,21 @@ class TeacherStore:
             aligned=read(ALIGNED, student).astype(np.int64),
             student_span=read(STUDENT_SPAN, student).astype(np.int64),
         )
+
+    def aligned(self, i: int) -> np.ndarray:
+        """`alignment(i).aligned` alone (what training reads of a row): [L] the teacher position aligned
+        with each position, −1 for none."""
+        shard, student = self._aligned_row(i)
+        return self._array(shard.path, ALIGNED).read(student.start, student.stop).astype(np.int64)
+
+    def _aligned_row(self, i: int) -> tuple[ShardArtifact, slice]:
+        """The shard holding row i's alignment, and the row's positions in its alignment arrays."""
+        teacher = self.teacher(int(self.teacher_indices[self._checked([i])[0]]))
+        if teacher.tokenizer is None:
+            raise ValueError(f"row {i}'s teacher {teacher.index} shares the store's tokenizer: no alignment")
+        shard_of, starts = self._aligned_locations
+        start = int(starts[i])
+        return self.manifest.shards[int(shard_of[i])], slice(start, start + int(self.lengths[i]))
 
     def projection(self, teacher_index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A teacher of another tokenizer's projection onto the store's vocabulary: its entries' source

@@ -90,9 +90,7 @@ def read_microbatches(
     hidden_of = dict(zip(np.flatnonzero(trained).tolist(), states, strict=True))
     # A row of a teacher of another tokenizer: which of its states each position reads (−1: none).
     own = {t.index for t in store.teachers if t.tokenizer is not None}
-    aligned_of = {
-        k: store.alignment(int(every[k])).aligned for k in hidden_of if stored[k].teacher_index in own
-    }
+    aligned_of = {k: store.aligned(int(every[k])) for k in hidden_of if stored[k].teacher_index in own}
     out, at = [], 0
     for rows in microbatch_rows:
         positions = range(at, at + len(rows))
