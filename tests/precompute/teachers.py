@@ -39,6 +39,15 @@ def make_tokenizer(vocab_size: int = 400, corpus: list[str] | None = None) -> An
     return tokenizer
 
 
+def other_vocabulary_teacher(folder: Path) -> Path:
+    """`folder/other-vocab`: a tiny llama (heads of 32, as vLLM needs) whose byte-level BPE is not
+    `make_tokenizer()`'s: 380 tokens trained on the corpus without its arithmetic, so it merges otherwise."""
+    tokenizer = make_tokenizer(vocab_size=380, corpus=CORPUS[150:])
+    return save_teacher(
+        folder / "other-vocab", "llama", hidden_size=64, seed=7, tokenizer=tokenizer, head_dim=32
+    )
+
+
 def model_config(arch: str, *, vocab_size: int, hidden_size: int, head_dim: int = 16, **extra: Any) -> Any:
     """A 2-block config; attention heads of `head_dim` (vLLM needs at least 32)."""
     import transformers

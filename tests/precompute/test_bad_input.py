@@ -11,7 +11,13 @@ from click.testing import CliRunner
 
 from mopd.cli.main import cli
 from tests.precompute.conftest import write_config
-from tests.precompute.teachers import CORPUS, make_tokenizer, mixed_records, save_teacher, write_jsonl
+from tests.precompute.teachers import (
+    make_tokenizer,
+    mixed_records,
+    other_vocabulary_teacher,
+    save_teacher,
+    write_jsonl,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -86,14 +92,7 @@ def test_nonexistent_checkpoint(tmp_path: Path, teachers: dict[str, Path]) -> No
 
 
 def other_vocabulary_config(tmp_path: Path, teachers: dict[str, Path]) -> Path:
-    other = save_teacher(
-        tmp_path / "other-vocab",
-        "llama",
-        hidden_size=64,
-        seed=7,
-        tokenizer=make_tokenizer(vocab_size=380, corpus=CORPUS[150:]),
-        head_dim=32,
-    )
+    other = other_vocabulary_teacher(tmp_path)
     data = write_jsonl(tmp_path / "d.jsonl", mixed_records(3))  # agents math, code, chat
     return write_config(tmp_path, {**teachers, "chat": other}, data=data)
 

@@ -22,7 +22,11 @@ from mopd.store.verify import verify_store
 from mopd.tokens.pieces import token_table, tokenizer_fingerprint
 from mopd.tokens.projection import first_token_projection
 from tests.precompute.conftest import routed_config
-from tests.precompute.teachers import CORPUS, make_tokenizer, mixed_records, save_teacher, write_jsonl
+from tests.precompute.teachers import (
+    mixed_records,
+    other_vocabulary_teacher,
+    write_jsonl,
+)
 from tests.tolerance import assert_close, network_rtol, trajectory_rtol
 
 
@@ -31,14 +35,7 @@ def cross_store(tmp_path_factory: pytest.TempPathFactory, tiny_teachers: dict[st
     """Chat rows for a teacher of the store's tokenizer (`math`) and one of another byte-level BPE (`chat`:
     380 tokens trained on the corpus without its arithmetic, so that it merges otherwise), in turn."""
     root = tmp_path_factory.mktemp("cross")
-    other = save_teacher(
-        root / "other-vocab",
-        "llama",
-        hidden_size=64,
-        seed=7,
-        tokenizer=make_tokenizer(vocab_size=380, corpus=CORPUS[150:]),
-        head_dim=32,
-    )
+    other = other_vocabulary_teacher(root)
     teachers = {"math": tiny_teachers["llama"], "chat": other}
     config = routed_config(root, teachers, rows=10)
     raw = yaml.safe_load(config.read_text())
@@ -48,7 +45,14 @@ def cross_store(tmp_path_factory: pytest.TempPathFactory, tiny_teachers: dict[st
     result = run_precompute(load_config(config), show_progress=False, log=lines.append)
     assert result.manifest is not None
     store = open_store(raw["store"]["path"])
-    return {"store": store, "other": other, "same": tiny_teachers["llama"], "config": config, "log": lines}
+    return {
+        "store": store,
+        "other": other,
+        "same": tiny_teachers["llama"],
+        "student": tiny_teachers["llama_small"],  # of the store's tokenizer, and no teacher
+        "config": config,
+        "log": lines,
+    }
 
 
 def test_the_manifest_marks_the_feature_and_binds_both_tokenizers(cross_store: dict[str, Any]) -> None:
@@ -123,6 +127,7 @@ def test_rows_of_the_other_tokenizer_hold_its_tokens_states_and_alignment(
     aligned = trained = 0
     for i in rows:
         row, stored = store.row(i), store.alignment(i)
+        assert np.array_equal(store.aligned(i), stored.aligned)  # what training reads of it
         text = student_tok.decode(row.input_ids)  # the chat row as the store's tokenizer rendered it
         own_text = teacher_tok.decode(stored.token_ids)  # both render ChatML; the teacher's is cut sooner
         assert not np.array_equal(stored.token_ids, row.input_ids.numpy())  # another tokenisation
@@ -368,14 +373,7 @@ def test_rows_of_ids_and_their_text_give_the_teacher_the_text(
     from mopd.base.errors import ConfigError
 
     student = tiny_teachers["llama"]
-    other = save_teacher(
-        tmp_path / "other-vocab",
-        "llama",
-        hidden_size=64,
-        seed=7,
-        tokenizer=make_tokenizer(vocab_size=380, corpus=CORPUS[150:]),
-        head_dim=32,
-    )
+    other = other_vocabulary_teacher(tmp_path)
     student_tok, teacher_tok = AutoTokenizer.from_pretrained(student), AutoTokenizer.from_pretrained(other)
     records = []
     for r in mixed_records(3):
@@ -468,3 +466,46 @@ def test_a_projection_file_replaces_the_stores_and_a_resume_holds_to_it(
         ConfigError, match=r"train\.cross_tokenizer\.projection\.math: the store has no teacher"
     ):
         run_training(load_config(wrong), log=lambda _: None)
+
+
+@pytest.mark.distributed
+def test_two_data_parallel_ranks_with_unequal_cross_tokenizer_work_match_one(
+    cross_store: dict[str, Any], tmp_path: Path
+) -> None:
+    """`torchrun --nproc-per-node 2` on the mixed store: microbatches of 128 tokens deal the ranks
+    unequal shares of each step — rows of the other tokenizer's teacher on one rank and not the other,
+    more microbatches on one — yet every rank runs the same collectives, and the run equals one rank's
+    within `assert_same_training` (the student: a 2-block llama, 96 wide), the trained-token counts and
+    aligned shares exactly."""
+    from mopd.train.data.order import epoch_steps, rank_microbatches
+    from mopd.train.report.metrics import METRICS_FILE, read_metrics
+    from mopd.train.trainer import run_training
+    from tests.distributed.harness import run_torchrun
+    from tests.tolerance import assert_same_training
+
+    batch = {"micro_batch_tokens": 128, "global_batch_tokens": 512}
+    store: TeacherStore = cross_store["store"]
+    other = next(t.index for t in store.teachers if t.tokenizer is not None)
+    shares = []  # per step: (rank 0's, rank 1's) microbatches and rows of the other tokenizer's teacher
+    for rows in epoch_steps(store.lengths, seed=0, epoch=0, global_batch_tokens=512)[:3]:
+        ranks = [
+            rank_microbatches(rows, store.lengths, dp_rank=r, dp_size=2, micro_batch_tokens=128)
+            for r in (0, 1)
+        ]
+        shares.append(
+            tuple((len(m), sum(int((store.teacher_indices[b] == other).sum()) for b in m)) for m in ranks)
+        )
+    assert any(a != b for a, b in shares), shares  # the ranks' work differs in some step
+    one = train_config(cross_store, tmp_path / "one", cross_store["student"], batch=batch, steps=3)
+    run_training(load_config(one), log=lambda _: None)
+    two = train_config(cross_store, tmp_path / "two", cross_store["student"], batch=batch, steps=3)
+    run_torchrun(["train", str(two)], nproc=2)
+    ones = [
+        r for r in read_metrics(tmp_path / "one" / "run" / METRICS_FILE) if r.get("split", "train") == "train"
+    ]
+    twos = read_metrics(tmp_path / "two" / "run" / METRICS_FILE)
+    assert [r["step"] for r in twos] == [1, 2, 3]
+    for got, want in zip(twos, ones, strict=True):
+        assert got["trained_tokens"] == want["trained_tokens"]
+        assert got["aligned_share_by_teacher"] == want["aligned_share_by_teacher"]
+    assert_same_training(twos, ones, layers=2, width=128)
