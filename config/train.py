@@ -76,6 +76,10 @@ class CrossTokenizerConfig(Section):
     # alias → a projection file (safetensors: int64 source, target, float32 weight; metadata
     # teacher_vocab, student_vocab) that replaces the store's first-token projection of that teacher.
     projection: dict[str, NonEmpty] = Field(default_factory=dict)
+    # The span log-likelihood match's weight beside the divergence at aligned positions: each span of
+    # the same bytes that is more than one token on either side counts as one trained token of
+    # ½ (ℓ_student − ℓ_teacher)² (train/kernel/spans.py). 0 turns it off.
+    span_weight: float = Field(1.0, ge=0.0)
 
 
 class TrainConfig(Section):

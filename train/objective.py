@@ -1,8 +1,8 @@
 """The loss of a microbatch and the statistics of a step (DESIGN §7).
 
-`Objective` weights each trained token's divergence to its own teacher (plus the optional hard-label CE)
-on this rank's vocabulary shard; `StepStats` sums the per-token values by teacher and reduces them over
-the ranks that report.
+`Objective` weights each trained token's divergence to its own teacher (plus the optional hard-label CE,
+and for teachers of other tokenizers the span log-likelihood match) on this rank's vocabulary shard;
+`StepStats` sums the per-token values by teacher and reduces them over the ranks that report.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from mopd.config.train import DivergenceConfig
 from mopd.store.format.manifest import Manifest
 from mopd.train.backends.groups import RankGroup
 from mopd.train.backends.protocol import TrainStudent
-from mopd.train.data.loader import MicroBatch
+from mopd.train.data.loader import MicroBatch, Spans
 from mopd.train.heads import TeacherHeads
 from mopd.train.kernel.chunk_chain import chunk_size_for, should_compile
 from mopd.train.kernel.divergence import linear_cross_entropy, linear_divergence
 from mopd.train.kernel.projected import projected_divergence
+from mopd.train.kernel.spans import span_likelihood_match, span_sums, teacher_log_probs
 from mopd.train.report.metrics import DivergenceStats
 
 
@@ -33,6 +34,7 @@ class Terms(NamedTuple):
     loss: torch.Tensor  # with gradients: the weighted divergences, plus ce_weight × the CE term
     per_token: torch.Tensor  # [N] each trained token's divergence, before any weighting
     ce: torch.Tensor | None  # the hard-label CE term before ce_weight (None when ce_weight is 0)
+    span: torch.Tensor | None = None  # the span term before its weight (None: no trained span)
 
 
 def teacher_weights(manifest: Manifest, by_alias: dict[str, float]) -> dict[int, float]:
@@ -70,8 +72,10 @@ class Objective:
         student: TrainStudent,
         vocab_slice: tuple[int, int],
         device: torch.device,
+        span_weight: float = 0.0,
     ) -> None:
         self.cfg, self.heads, self.vocab_size = cfg, heads, vocab_size
+        self.span_weight = span_weight  # train.cross_tokenizer.span_weight
         # The config's "auto" settings, resolved once for the device the student computes on.
         self.chunk_size = chunk_size_for(cfg.chunk_size, device)
         self.compiled = should_compile(cfg.compile, device)
@@ -110,9 +114,12 @@ class Objective:
                 teacher_transforms=self.heads.transforms,
                 **options,
             )
-            loss, per_token = out.loss, out.per_token
+            loss, per_token, span = out.loss, out.per_token, None
         else:
-            loss, per_token = self._by_teacher(hidden_NH, head, mb, weights_N, options)
+            loss, per_token, span = self._by_teacher(hidden_NH, head, mb, weights_N, options)
+        if span is not None:
+            loss = loss + self.span_weight * span
+            span = span.detach()
         if cfg.ce_weight > 0:
             ce = linear_cross_entropy(
                 hidden_NH,
@@ -124,8 +131,8 @@ class Objective:
                 **self.shard,
             )
             loss = loss + cfg.ce_weight * ce.loss
-            return Terms(loss, per_token, ce.loss.detach())
-        return Terms(loss, per_token, None)
+            return Terms(loss, per_token, ce.loss.detach(), span)
+        return Terms(loss, per_token, None, span)
 
     def _by_teacher(
         self,
@@ -134,18 +141,28 @@ class Objective:
         mb: MicroBatch,
         weights_N: torch.Tensor,
         options: dict[str, Any],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One teacher's head on the device at a time: a teacher of the student's vocabulary through
         `linear_divergence`, one of another tokenizer through `projected_divergence` on the tokens an
-        aligned teacher position supervises (the others' per-token values stay 0)."""
+        aligned teacher position supervises (the others' per-token values stay 0) and, while its head is
+        there, its log-likelihood of each trained span. Returns the loss, the per-token values and the
+        span term (None: no trained span)."""
         loss = hidden_NH.new_zeros(())
         per_token = torch.zeros(hidden_NH.shape[0], device=hidden_NH.device)
         supervised = (
             mb.aligned if mb.aligned is not None else torch.ones_like(mb.teacher_index, dtype=torch.bool)
         )
+        spans = mb.spans if self.span_weight > 0 and mb.spans is not None and mb.spans.count else None
+        likelihood = torch.zeros(spans.count if spans else 0, dtype=torch.float64, device=hidden_NH.device)
         for t in sorted(mb.teacher_hidden):
             sel = ((mb.teacher_index == t) & supervised).nonzero()[:, 0].to(hidden_NH.device)
             with self.heads.use(t) as teacher_head:
+                if spans is not None and t in spans.teacher:
+                    side = spans.teacher[t]
+                    log_probs = teacher_log_probs(
+                        side.hidden, teacher_head, side.targets, transform=self.heads.transforms[t]
+                    )
+                    likelihood += span_sums(log_probs, side.span, spans.count)
                 if t in self.heads.projections:
                     out = projected_divergence(
                         hidden_NH[sel],
@@ -170,7 +187,36 @@ class Objective:
                     )
             loss = loss + out.loss
             per_token[sel] = out.per_token
-        return loss, per_token
+        span = None if spans is None else self._span_term(hidden_NH, head, mb, spans, likelihood, weights_N)
+        return loss, per_token, span
+
+    def _span_term(
+        self,
+        hidden_NH: torch.Tensor,
+        head: torch.Tensor,
+        mb: MicroBatch,
+        spans: Spans,
+        likelihood_S: torch.Tensor,
+        weights_N: torch.Tensor,
+    ) -> torch.Tensor:
+        """The span log-likelihood match over the trained spans, each weighing as one trained token (the
+        mean of its tokens' weights)."""
+        of_token = spans.of_token.to(hidden_NH.device)
+        sel = (of_token >= 0).nonzero()[:, 0]
+        ones = torch.ones(sel.shape[0], device=hidden_NH.device)
+        tokens_S = span_sums(ones, of_token[sel], spans.count)
+        weights_S = span_sums(weights_N[sel], of_token[sel], spans.count) / tokens_S
+        out = span_likelihood_match(
+            hidden_NH[sel],
+            head,
+            mb.labels[sel],
+            of_token[sel],
+            likelihood_S,
+            weights_S,
+            chunk_size=self.chunk_size,
+            **self.shard,
+        )
+        return out.loss
 
 
 class StepStats:
@@ -187,6 +233,7 @@ class StepStats:
         self.nonfinite = torch.zeros(num_teachers, dtype=torch.float64)
         self.loss = torch.zeros((), dtype=torch.float64)
         self.ce: torch.Tensor | None = None  # the CE term's sum over the microbatches, when it is on
+        self.span: torch.Tensor | None = None  # the span term's, when a microbatch had trained spans
 
     def add(
         self,
@@ -195,6 +242,8 @@ class StepStats:
         loss: torch.Tensor,
         ce: torch.Tensor | None,
         unaligned: torch.Tensor | None = None,
+        *,
+        span: torch.Tensor | None = None,
     ) -> None:
         """`per_token` and `teacher`: the tokens with a divergence; `unaligned`: the teacher of each
         trained token without one (a teacher of another tokenizer with no aligned position there)."""
@@ -210,12 +259,17 @@ class StepStats:
         self.loss += loss.detach().double().cpu()
         if ce is not None:
             self.ce = (0 if self.ce is None else self.ce) + ce.double().cpu()
+        if span is not None:
+            self.span = (0 if self.span is None else self.span) + span.double().cpu()
 
     def reduce(self, dp: RankGroup) -> None:
         """Sums over the ranks of `dp` (ranks that report nothing add zeros)."""
         self.local_nonfinite = float(self.nonfinite.sum())
-        ce = torch.zeros(()) if self.ce is None else self.ce
-        parts = [self.sums, self.counts, self.nonfinite, self.unaligned, self.loss[None], ce[None]]
+        zero = torch.zeros((), dtype=torch.float64)
+        ce = zero if self.ce is None else self.ce
+        # The span term and whether this rank had one: a rank without trained spans adds zeros.
+        span = torch.stack([zero, zero] if self.span is None else [self.span, zero + 1])
+        parts = [self.sums, self.counts, self.nonfinite, self.unaligned, self.loss[None], ce[None], span]
         packed = dp.all_reduce(torch.cat(parts))
         k = self.sums.shape[0]
         self.sums, self.counts, self.nonfinite, self.unaligned, self.loss = (
@@ -223,10 +277,11 @@ class StepStats:
             packed[k : 2 * k],
             packed[2 * k : 3 * k],
             packed[3 * k : 4 * k],
-            packed[-2],
+            packed[-4],
         )
         if self.ce is not None:
-            self.ce = packed[-1]
+            self.ce = packed[-3]
+        self.span = packed[-2] if packed[-1] > 0 else None
         self.extremes = dp.all_reduce(self.extremes, dist.ReduceOp.MIN)
 
     def divergences(self) -> DivergenceStats:

@@ -108,7 +108,14 @@ class Session:
                     per_token = per_token[mb.aligned.to(per_token.device)]
                     teacher_index = teacher_index[mb.aligned.cpu()]
                     unaligned = mb.teacher_index[~mb.aligned.cpu()]
-                stats.add(per_token, teacher_index, loss, terms.ce if train else None, unaligned)
+                stats.add(
+                    per_token,
+                    teacher_index,
+                    loss,
+                    terms.ce if train else None,
+                    unaligned,
+                    span=terms.span if train else None,
+                )
             return terms.loss, None
 
         return loss_fn
@@ -185,6 +192,7 @@ def open_session(config: MopdConfig, *, store_path: str | Path | None = None, lo
             student,
             vocab_slice=(vocab_start, vocab_stop),
             device=device,
+            span_weight=tc.cross_tokenizer.span_weight,
         )
         heads_by_rank = _account_heads(tc, heads, world, device, log)
         session = Session(

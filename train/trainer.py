@@ -176,6 +176,7 @@ class Trainer:
             dp_size=session.replicas.size,
             prefetch=tc.prefetch,
             with_teacher_states=self.student.holds_loss,
+            spans=self.objective.span_weight > 0 and bool(session.cross_teachers),
         )
         warning = over_budget(tc.batch, int(self.store.lengths.max(initial=0)))
         if warning:
@@ -316,6 +317,8 @@ class Trainer:
         )
         if stats.ce is not None:
             outcome["ce"] = float(stats.ce)
+        if stats.span is not None:
+            outcome["span"] = float(stats.span)
         return outcome
 
     def _refuse_nonfinite(self, step: int, stats: StepStats, grad_norm: float) -> None:

@@ -6,7 +6,16 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.precompute.teachers import make_tokenizer, mixed_records, save_teacher, write_jsonl
+from mopd.config.mopd_config import load_config
+from mopd.precompute.runner import run_precompute
+from mopd.store import open_store
+from tests.precompute.teachers import (
+    make_tokenizer,
+    mixed_records,
+    other_vocabulary_teacher,
+    save_teacher,
+    write_jsonl,
+)
 
 BACKENDS = ["hf", "vllm"]
 
@@ -78,3 +87,46 @@ def mixed_config(tmp_path: Path, tiny_teachers: dict[str, Path]) -> Path:
     """4 aliases over 3 checkpoints, 16 chat rows of 4 agents."""
     data = write_jsonl(tmp_path / "train.jsonl", mixed_records(16))
     return write_config(tmp_path, four_aliases(tiny_teachers), data=data)
+
+
+@pytest.fixture(scope="session")
+def cross_store(tmp_path_factory: pytest.TempPathFactory, tiny_teachers: dict[str, Path]) -> dict[str, Any]:
+    """Chat rows for a teacher of the store's tokenizer (`math`) and one of another byte-level BPE (`chat`:
+    380 tokens trained on the corpus without its arithmetic, so that it merges otherwise), in turn."""
+    root = tmp_path_factory.mktemp("cross")
+    other = other_vocabulary_teacher(root)
+    teachers = {"math": tiny_teachers["llama"], "chat": other}
+    config = routed_config(root, teachers, rows=10)
+    raw = yaml.safe_load(config.read_text())
+    raw["tokenizer"] = str(tiny_teachers["llama"])
+    config.write_text(yaml.safe_dump(raw))
+    lines: list[str] = []
+    result = run_precompute(load_config(config), show_progress=False, log=lines.append)
+    assert result.manifest is not None
+    store = open_store(raw["store"]["path"])
+    return {
+        "store": store,
+        "other": other,
+        "same": tiny_teachers["llama"],
+        "student": tiny_teachers["llama_small"],  # of the store's tokenizer, and no teacher
+        "config": config,
+        "log": lines,
+    }
+
+
+def train_config(cross_store: dict[str, Any], folder: Path, student: Path, **train: Any) -> Path:
+    """The cross store's config with a train section: `student`, 3 steps over every row."""
+    raw = yaml.safe_load(cross_store["config"].read_text())
+    raw["train"] = {
+        "student": str(student),
+        "steps": 3,
+        "optim": {"lr": 5.0e-3, "warmup_steps": 1},
+        "batch": {"micro_batch_tokens": 256, "global_batch_tokens": 512},
+        "divergence": {"chunk_size": 32},
+        "output_dir": str(folder / "run"),
+        **train,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path

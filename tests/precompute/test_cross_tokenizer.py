@@ -4,7 +4,6 @@ tokenizer fingerprints."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -21,38 +20,12 @@ from mopd.store.format.manifest import CROSS_TOKENIZER
 from mopd.store.verify import verify_store
 from mopd.tokens.pieces import token_table, tokenizer_fingerprint
 from mopd.tokens.projection import first_token_projection
-from tests.precompute.conftest import routed_config
 from tests.precompute.teachers import (
     mixed_records,
     other_vocabulary_teacher,
     write_jsonl,
 )
-from tests.tolerance import assert_close, network_rtol, trajectory_rtol
-
-
-@pytest.fixture(scope="module")
-def cross_store(tmp_path_factory: pytest.TempPathFactory, tiny_teachers: dict[str, Path]) -> dict[str, Any]:
-    """Chat rows for a teacher of the store's tokenizer (`math`) and one of another byte-level BPE (`chat`:
-    380 tokens trained on the corpus without its arithmetic, so that it merges otherwise), in turn."""
-    root = tmp_path_factory.mktemp("cross")
-    other = other_vocabulary_teacher(root)
-    teachers = {"math": tiny_teachers["llama"], "chat": other}
-    config = routed_config(root, teachers, rows=10)
-    raw = yaml.safe_load(config.read_text())
-    raw["tokenizer"] = str(tiny_teachers["llama"])
-    config.write_text(yaml.safe_dump(raw))
-    lines: list[str] = []
-    result = run_precompute(load_config(config), show_progress=False, log=lines.append)
-    assert result.manifest is not None
-    store = open_store(raw["store"]["path"])
-    return {
-        "store": store,
-        "other": other,
-        "same": tiny_teachers["llama"],
-        "student": tiny_teachers["llama_small"],  # of the store's tokenizer, and no teacher
-        "config": config,
-        "log": lines,
-    }
+from tests.tolerance import assert_close, network_rtol
 
 
 def test_the_manifest_marks_the_feature_and_binds_both_tokenizers(cross_store: dict[str, Any]) -> None:
@@ -194,7 +167,6 @@ def test_a_reader_without_the_feature_refuses_the_store(
 
 
 def test_verify_manifest_finds_a_changed_alignment(cross_store: dict[str, Any], tmp_path: Path) -> None:
-    import shutil
 
     from mopd.store.format.layout import ALIGNED
 
@@ -210,156 +182,6 @@ def test_verify_manifest_finds_a_changed_alignment(cross_store: dict[str, Any], 
     chunk.write_bytes(bytes(data))
     problems, _ = verify_store(copy, full=True)
     assert any(ALIGNED in p for p in problems), problems
-
-
-def train_config(cross_store: dict[str, Any], folder: Path, student: Path, **train: Any) -> Path:
-    """The cross store's config with a train section: `student`, 3 steps over every row."""
-    raw = yaml.safe_load(cross_store["config"].read_text())
-    raw["train"] = {
-        "student": str(student),
-        "steps": 3,
-        "optim": {"lr": 5.0e-3, "warmup_steps": 1},
-        "batch": {"micro_batch_tokens": 256, "global_batch_tokens": 512},
-        "divergence": {"chunk_size": 32},
-        "output_dir": str(folder / "run"),
-        **train,
-    }
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
-@pytest.mark.parametrize("lifecycle", ["none", "offload"])
-def test_training_distils_both_teachers(cross_store: dict[str, Any], tmp_path: Path, lifecycle: str) -> None:
-    """A student of the store's tokenizer (the `math` teacher's own checkpoint) trains from the teacher
-    of its tokenizer and the one of another (resident heads, and one at a time): each teacher's
-    divergence is reported and finite, and the other's aligned share in the records and step lines."""
-    from mopd.train.report.metrics import METRICS_FILE, read_metrics
-    from mopd.train.trainer import run_training
-
-    config = train_config(cross_store, tmp_path, cross_store["same"], lm_head_lifecycle=lifecycle)
-    lines: list[str] = []
-    result = run_training(load_config(config), log=lines.append)
-    records = [r for r in read_metrics(tmp_path / "run" / METRICS_FILE) if r.get("split", "train") == "train"]
-    assert [r["step"] for r in records] == [1, 2, 3] and result is not None
-    store: TeacherStore = cross_store["store"]
-    by_teacher = records[0]["divergence_by_teacher"]
-    assert set(by_teacher) == {str(t.index) for t in store.teachers}
-    assert all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in records)
-    same = next(t.index for t in store.teachers if t.tokenizer is None)
-    assert by_teacher[str(same)] < 1e-4  # the student is that teacher: its divergence starts at 0
-    other = next(t for t in store.teachers if t.tokenizer is not None)
-    shares = []
-    for record in records:  # reported for the teacher of another tokenizer only
-        assert set(record["aligned_share_by_teacher"]) == {str(other.index)}
-        shares.append(record["aligned_share_by_teacher"][str(other.index)])
-    assert (
-        all(0.3 < share <= 1.0 for share in shares) and min(shares) < 1.0
-    )  # a step's rows, some all aligned
-    assert any(" aligned [chat=" in line for line in lines if line.startswith("step 1/"))
-
-
-def test_training_refuses_a_student_whose_tokenizer_is_not_the_aligned_one(
-    cross_store: dict[str, Any], tmp_path: Path
-) -> None:
-    """Same vocabulary, another chat template: the alignment no longer holds, and training says so."""
-    import shutil
-
-    from mopd.base.errors import ConfigError
-    from mopd.train.trainer import run_training
-
-    student = tmp_path / "student"
-    shutil.copytree(cross_store["same"], student)
-    settings = json.loads((student / "tokenizer_config.json").read_text())
-    settings["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    (student / "tokenizer_config.json").write_text(json.dumps(settings))
-    (student / "chat_template.jinja").unlink(missing_ok=True)
-    config = train_config(cross_store, tmp_path, student)
-    with pytest.raises(
-        ConfigError, match="is not the one the store's teachers of other tokenizers were aligned to"
-    ):
-        run_training(load_config(config), log=lambda _: None)
-
-
-def permuted_teacher(source: Path, target: Path, seed: int) -> Path:
-    """`source` with its token ids permuted: tokenizer ids, embedding rows and output rows alike, so it
-    computes the same function of text (and the same hidden states) under other ids."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    spec = json.loads((source / "tokenizer.json").read_text())
-    vocab = spec["model"]["vocab"]
-    perm = torch.randperm(len(vocab), generator=torch.Generator().manual_seed(seed))  # old id -> new id
-    spec["model"]["vocab"] = {token: int(perm[i]) for token, i in vocab.items()}
-    for added in spec["added_tokens"]:
-        added["id"] = int(perm[added["id"]])
-    with torch.no_grad():
-        for layer in (model.get_input_embeddings(), model.get_output_embeddings()):
-            moved = torch.empty_like(layer.weight)
-            moved[perm] = layer.weight
-            layer.weight.copy_(moved)
-    model.save_pretrained(target)
-    for name in (p.name for p in source.iterdir() if "token" in p.name or p.suffix == ".jinja"):
-        shutil.copy(source / name, target / name)
-    (target / "tokenizer.json").write_text(json.dumps(spec))
-    return target
-
-
-def test_a_permuted_teacher_trains_the_same_tokenizer_run(
-    tmp_path: Path, tiny_teachers: dict[str, Path]
-) -> None:
-    """Exactness by construction: a teacher whose tokenizer is the student's with its ids permuted (its
-    embedding and output rows moved to match) goes through precompute's second tokenisation, the
-    alignment and the projection, and trains the losses of the same teacher under the student's own
-    ids: every position aligned, and each step's loss and divergence within two fp32 trajectories'
-    rounding of the same run (`trajectory_rtol`: 3 steps of a 2-block network)."""
-    from mopd.train.report.metrics import METRICS_FILE, read_metrics
-    from mopd.train.trainer import run_training
-
-    teacher = tiny_teachers["llama"]
-    permuted = permuted_teacher(teacher, tmp_path / "permuted-teacher", seed=5)
-    records = [{**r, "agent": "chat"} for r in mixed_records(8)]
-    data = write_jsonl(tmp_path / "chat.jsonl", records)
-    runs = {}
-    for name, chat_teacher in (("same", teacher), ("permuted", permuted)):
-        folder = tmp_path / name
-        folder.mkdir()
-        raw = {
-            "tokenizer": str(teacher),
-            "teachers": {"chat": str(chat_teacher)},
-            "data": {"path": str(data), "max_length": 96},
-            "store": {"path": str(folder / "store.zarr"), "dtype": "float32"},
-            "precompute": {"rows_per_task": 4, "batch_tokens": 256, "dtype": "float32"},
-            "train": {
-                "student": str(tiny_teachers["llama_small"]),
-                "steps": 3,
-                "optim": {"lr": 5.0e-3, "warmup_steps": 1},
-                "batch": {"micro_batch_tokens": 256, "global_batch_tokens": 512},
-                "divergence": {"chunk_size": 32},
-                "output_dir": str(folder / "run"),
-            },
-        }
-        (folder / "config.yaml").write_text(yaml.safe_dump(raw))
-        config = load_config(folder / "config.yaml")
-        run_precompute(config, show_progress=False, log=lambda _: None)
-        run_training(config, log=lambda _: None)
-        runs[name] = [
-            r for r in read_metrics(folder / "run" / METRICS_FILE) if r.get("split", "train") == "train"
-        ]
-    store = open_store(tmp_path / "permuted" / "store.zarr")
-    assert store.manifest.required_features == [CROSS_TOKENIZER]  # the permutation went through
-    source, target, _ = store.projection(0)
-    assert not np.array_equal(source, target)
-    for i in range(store.num_rows):
-        mask = store.row(i).loss_mask.numpy().astype(bool)
-        assert (store.alignment(i).aligned[mask] >= 0).all()
-    rtol = trajectory_rtol(3, 2, 128)
-    for same, perm in zip(runs["same"], runs["permuted"], strict=True):
-        assert_close(perm["loss"], same["loss"], rtol=rtol, what=f"step {same['step']} loss")
-        assert_close(
-            perm["divergence"], same["divergence"], rtol=rtol, what=f"step {same['step']} divergence"
-        )
 
 
 def test_rows_of_ids_and_their_text_give_the_teacher_the_text(
@@ -407,105 +229,3 @@ def test_rows_of_ids_and_their_text_give_the_teacher_the_text(
             stored = store.alignment(i)
             assert stored.token_ids.tolist() == list(want)[: len(stored.token_ids)]
             assert (stored.aligned >= 0).sum() > 10
-
-
-def test_a_projection_file_replaces_the_stores_and_a_resume_holds_to_it(
-    cross_store: dict[str, Any], tmp_path: Path
-) -> None:
-    """`train.cross_tokenizer.projection`: the run trains with the file's projection, records its
-    fingerprint, and a resume with another file is refused naming the setting; an alias the store has
-    no teacher of another tokenizer under is refused before training."""
-    from mopd.base.errors import CheckpointError, ConfigError
-    from mopd.tokens.projection import Projection
-    from mopd.train.checkpoint.run_record import PROJECTIONS
-    from mopd.train.trainer import Trainer, run_training
-
-    store: TeacherStore = cross_store["store"]
-    other = next(t for t in store.teachers if t.tokenizer is not None)
-    source, target, weight = (torch.from_numpy(a) for a in store.projection(other.index))
-    sizes = dict(teacher_vocab=other.tokenizer.vocab_size, student_vocab=store.manifest.tokenizer.vocab_size)
-    first, second = tmp_path / "first.safetensors", tmp_path / "second.safetensors"
-    Projection(source, target, weight, **sizes).save(first)
-    shifted = (target + 1) % sizes["student_vocab"]  # another valid projection
-    Projection(source, shifted, weight, **sizes).save(second)
-    checkpoint = {"every": 2, "keep": 2}
-    config = train_config(
-        cross_store,
-        tmp_path,
-        cross_store["same"],
-        cross_tokenizer={"projection": {"chat": str(first)}},
-        checkpoint=checkpoint,
-        steps=2,
-    )
-    run_training(load_config(config), log=lambda _: None)
-    with Trainer(load_config(config), log=lambda _: None) as trainer:
-        assert trainer.session.projection_fingerprints == {
-            other.index: Projection(source, target, weight, **sizes).fingerprint
-        }
-    state = json.loads(next((tmp_path / "run" / "checkpoints").glob("*/state.json")).read_text())
-    assert state["run"][PROJECTIONS] == {
-        str(other.index): Projection(source, target, weight, **sizes).fingerprint
-    }
-    again = train_config(
-        cross_store,
-        tmp_path,
-        cross_store["same"],
-        cross_tokenizer={"projection": {"chat": str(second)}},
-        checkpoint=checkpoint,
-        steps=3,
-    )
-    with pytest.raises(CheckpointError, match=f"{PROJECTIONS}: .* in the checkpoint, .* now"):
-        run_training(load_config(again), log=lambda _: None)
-    wrong = train_config(
-        cross_store,
-        tmp_path / "wrong",
-        cross_store["same"],
-        cross_tokenizer={"projection": {"math": str(first)}},
-    )
-    with pytest.raises(
-        ConfigError, match=r"train\.cross_tokenizer\.projection\.math: the store has no teacher"
-    ):
-        run_training(load_config(wrong), log=lambda _: None)
-
-
-@pytest.mark.distributed
-def test_two_data_parallel_ranks_with_unequal_cross_tokenizer_work_match_one(
-    cross_store: dict[str, Any], tmp_path: Path
-) -> None:
-    """`torchrun --nproc-per-node 2` on the mixed store: microbatches of 128 tokens deal the ranks
-    unequal shares of each step — rows of the other tokenizer's teacher on one rank and not the other,
-    more microbatches on one — yet every rank runs the same collectives, and the run equals one rank's
-    within `assert_same_training` (the student: a 2-block llama, 96 wide), the trained-token counts and
-    aligned shares exactly."""
-    from mopd.train.data.order import epoch_steps, rank_microbatches
-    from mopd.train.report.metrics import METRICS_FILE, read_metrics
-    from mopd.train.trainer import run_training
-    from tests.distributed.harness import run_torchrun
-    from tests.tolerance import assert_same_training
-
-    batch = {"micro_batch_tokens": 128, "global_batch_tokens": 512}
-    store: TeacherStore = cross_store["store"]
-    other = next(t.index for t in store.teachers if t.tokenizer is not None)
-    shares = []  # per step: (rank 0's, rank 1's) microbatches and rows of the other tokenizer's teacher
-    for rows in epoch_steps(store.lengths, seed=0, epoch=0, global_batch_tokens=512)[:3]:
-        ranks = [
-            rank_microbatches(rows, store.lengths, dp_rank=r, dp_size=2, micro_batch_tokens=128)
-            for r in (0, 1)
-        ]
-        shares.append(
-            tuple((len(m), sum(int((store.teacher_indices[b] == other).sum()) for b in m)) for m in ranks)
-        )
-    assert any(a != b for a, b in shares), shares  # the ranks' work differs in some step
-    one = train_config(cross_store, tmp_path / "one", cross_store["student"], batch=batch, steps=3)
-    run_training(load_config(one), log=lambda _: None)
-    two = train_config(cross_store, tmp_path / "two", cross_store["student"], batch=batch, steps=3)
-    run_torchrun(["train", str(two)], nproc=2)
-    ones = [
-        r for r in read_metrics(tmp_path / "one" / "run" / METRICS_FILE) if r.get("split", "train") == "train"
-    ]
-    twos = read_metrics(tmp_path / "two" / "run" / METRICS_FILE)
-    assert [r["step"] for r in twos] == [1, 2, 3]
-    for got, want in zip(twos, ones, strict=True):
-        assert got["trained_tokens"] == want["trained_tokens"]
-        assert got["aligned_share_by_teacher"] == want["aligned_share_by_teacher"]
-    assert_same_training(twos, ones, layers=2, width=128)

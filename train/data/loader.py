@@ -8,7 +8,8 @@ Token order: the trained tokens of a microbatch are its loss-masked positions in
 (`loss_mask[b, t]` trains the prediction made at position t, of token t + 1). `teacher_hidden[t]` holds
 teacher t's trained tokens in that same order, which is what `linear_divergence` expects. A teacher of
 another tokenizer (DESIGN §13) has states at its own positions: `teacher_hidden[t]` holds, for each of
-its trained tokens that an aligned teacher position supervises (`aligned`), that position's state.
+its trained tokens that an aligned teacher position supervises (`aligned`), that position's state; with
+`spans`, the microbatch also carries its trained spans (`Spans`) for the span log-likelihood match.
 """
 
 from __future__ import annotations
@@ -21,10 +22,54 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mopd.store.reader import Row, TeacherStore
+from mopd.store.reader import Row, StoredAlignment, TeacherStore
 from mopd.train.data.order import LoaderState, epoch_steps, rank_microbatches
 
 IGNORE = -100  # label of a trained position with no next token
+
+
+@dataclass(frozen=True)
+class TeacherSpans:
+    """A teacher of another tokenizer's side of a microbatch's trained spans."""
+
+    hidden: torch.Tensor  # [M, H] its states at its positions inside the spans
+    targets: torch.Tensor  # [M] the teacher's own token each of them predicts
+    span: torch.Tensor  # [M] the span of each
+
+
+@dataclass(frozen=True)
+class Spans:
+    """A microbatch's trained spans (DESIGN §13): runs of the same bytes that are more than one token
+    on either side (a span of one token on each side is an aligned position, which the divergence
+    supervises), numbered 0 … count − 1 over the microbatch."""
+
+    count: int
+    of_token: torch.Tensor  # [N] the span of each trained token, −1 for none
+    teacher: dict[int, TeacherSpans]
+
+    def to(self, device: torch.device) -> Spans:
+        move = lambda x: x.to(device, non_blocking=True)  # noqa: E731
+        teacher = {
+            t: TeacherSpans(move(s.hidden), move(s.targets), move(s.span)) for t, s in self.teacher.items()
+        }
+        return Spans(self.count, move(self.of_token), teacher)
+
+
+def trained_spans(
+    alignment: StoredAlignment, loss_mask: np.ndarray | torch.Tensor
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One row's trained spans, numbered from 0: (the span of each trained position, −1 for none; the
+    teacher positions inside them; the span of each)."""
+    student = alignment.student_span[np.asarray(loss_mask, dtype=bool)]
+    teacher_pos = np.flatnonzero(alignment.teacher_span >= 0)
+    teacher = alignment.teacher_span[teacher_pos]
+    count = int(max(student.max(initial=-1), teacher.max(initial=-1))) + 1
+    keep = (np.bincount(student[student >= 0], minlength=count) > 1) | (
+        np.bincount(teacher, minlength=count) > 1
+    )
+    number = np.where(keep, np.cumsum(keep) - 1, -1)
+    kept = keep[teacher]
+    return np.where(student >= 0, number[student.clip(0)], -1), teacher_pos[kept], number[teacher[kept]]
 
 
 @dataclass(frozen=True)
@@ -40,6 +85,7 @@ class MicroBatch:
     # [N] bool: the token has a teacher state (every token of a teacher of the store's tokenizer; an
     # aligned one of a teacher of another). None: every token has one.
     aligned: torch.Tensor | None = None
+    spans: Spans | None = None  # read with `spans=True` where the microbatch has rows of such teachers
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +107,7 @@ class MicroBatch:
             labels=move(self.labels),
             teacher_hidden={t: move(h) for t, h in self.teacher_hidden.items()},
             aligned=self.aligned,
+            spans=None if self.spans is None else self.spans.to(device),
         )
 
 
@@ -73,13 +120,18 @@ class Step:
 
 
 def read_microbatches(
-    store: TeacherStore, microbatch_rows: list[np.ndarray], *, with_teacher_states: bool = True
+    store: TeacherStore,
+    microbatch_rows: list[np.ndarray],
+    *,
+    with_teacher_states: bool = True,
+    spans: bool = False,
 ) -> list[MicroBatch]:
     """Reads a step's microbatches (tokens, masks, teacher index, hidden states at trained positions).
 
     The step's rows are read in one batched call per array, so every stored chunk they touch is
     decoded once however the rows fall into microbatches. Without `with_teacher_states` (a pipeline stage
-    that computes no loss) the teacher states are not read.
+    that computes no loss) the teacher states are not read; with `spans`, a row of a teacher of another
+    tokenizer gives its trained spans too (its whole alignment is read, not only its aligned positions).
     """
     if not microbatch_rows:  # a step with fewer rows than data-parallel ranks leaves some with none
         return []
@@ -90,7 +142,8 @@ def read_microbatches(
     hidden_of = dict(zip(np.flatnonzero(trained).tolist(), states, strict=True))
     # A row of a teacher of another tokenizer: which of its states each position reads (−1: none).
     own = {t.index for t in store.teachers if t.tokenizer is not None}
-    aligned_of = {k: store.aligned(int(every[k])) for k in hidden_of if stored[k].teacher_index in own}
+    read = store.alignment if spans else store.aligned
+    aligned_of = {k: read(int(every[k])) for k in hidden_of if stored[k].teacher_index in own}
     out, at = [], 0
     for rows in microbatch_rows:
         positions = range(at, at + len(rows))
@@ -110,11 +163,12 @@ def _collate(
     rows: np.ndarray,
     stored: list[Row],
     states: list[torch.Tensor | None],
-    aligned: list[np.ndarray | None] | None = None,
+    alignments: list[StoredAlignment | np.ndarray | None] | None = None,
 ) -> MicroBatch:
     """Pads the rows to the longest and keeps each row's teacher states at its trained positions (a
-    row of a teacher of another tokenizer: the states of the teacher positions aligned with them)."""
-    aligned = aligned or [None] * len(stored)
+    row of a teacher of another tokenizer: the states of the teacher positions aligned with them, and
+    where its whole alignment is given, its trained spans)."""
+    alignments = alignments or [None] * len(stored)
     longest = max(row.input_ids.shape[0] for row in stored)
     input_ids = torch.zeros(len(stored), longest, dtype=torch.long)
     attention = torch.zeros(len(stored), longest, dtype=torch.long)
@@ -122,22 +176,30 @@ def _collate(
     labels = torch.full((len(stored), longest), IGNORE, dtype=torch.long)
     hidden: dict[int, list[torch.Tensor]] = {}
     has_state: list[torch.Tensor] = []
+    spans = _SpanParts()
     for b, (row, state) in enumerate(zip(stored, states, strict=True)):
         length = row.input_ids.shape[0]
         input_ids[b, :length] = row.input_ids
         attention[b, :length] = 1
         loss_mask[b, :length] = row.loss_mask
         labels[b, : length - 1] = row.input_ids[1:]
-        which = aligned[b]
-        if which is not None:
-            at = torch.as_tensor(which)[row.loss_mask]
-            has_state.append(at >= 0)
+        alignment = alignments[b]
+        trained = int(row.loss_mask.sum())
+        if alignment is None:
+            has_state.append(torch.ones(trained, dtype=torch.bool))
             if state is not None:
-                hidden.setdefault(row.teacher_index, []).append(state[at[at >= 0]])
+                hidden.setdefault(row.teacher_index, []).append(state[row.loss_mask])
+            spans.skip(trained)
             continue
-        has_state.append(torch.ones(int(row.loss_mask.sum()), dtype=torch.bool))
+        whole = alignment if isinstance(alignment, StoredAlignment) else None
+        at = torch.as_tensor(alignment if whole is None else whole.aligned)[row.loss_mask]
+        has_state.append(at >= 0)
         if state is not None:
-            hidden.setdefault(row.teacher_index, []).append(state[row.loss_mask])
+            hidden.setdefault(row.teacher_index, []).append(state[at[at >= 0]])
+        if whole is not None and state is not None:
+            spans.add(row.teacher_index, state, whole, row.loss_mask)
+        else:
+            spans.skip(trained)
     row_teacher_index = torch.tensor([row.teacher_index for row in stored], dtype=torch.long)
     token_row = loss_mask.nonzero()[:, 0]
     return MicroBatch(
@@ -149,8 +211,44 @@ def _collate(
         token_row=token_row,
         labels=labels[loss_mask],
         teacher_hidden={t: torch.cat(parts) for t, parts in hidden.items()},
-        aligned=None if all(a is None for a in aligned) else torch.cat(has_state),
+        aligned=None if all(a is None for a in alignments) else torch.cat(has_state),
+        spans=spans.batch(),
     )
+
+
+class _SpanParts:
+    """The rows' trained spans as `_collate` meets them, numbered over the microbatch."""
+
+    def __init__(self) -> None:
+        self.count, self.seen = 0, False
+        self.of_token: list[np.ndarray] = []
+        self.teacher: dict[int, list[tuple[torch.Tensor, np.ndarray, np.ndarray]]] = {}
+
+    def skip(self, trained: int) -> None:
+        self.of_token.append(np.full(trained, -1, dtype=np.int64))
+
+    def add(
+        self, teacher: int, state: torch.Tensor, alignment: StoredAlignment, loss_mask: torch.Tensor
+    ) -> None:
+        self.seen = True
+        of_token, positions, span = trained_spans(alignment, loss_mask)
+        self.of_token.append(np.where(of_token >= 0, of_token + self.count, -1))
+        targets = alignment.token_ids[positions + 1]
+        self.teacher.setdefault(teacher, []).append((state[positions], targets, span + self.count))
+        self.count += int(max(of_token.max(initial=-1), span.max(initial=-1))) + 1
+
+    def batch(self) -> Spans | None:
+        if not self.seen:
+            return None
+        teacher = {
+            t: TeacherSpans(
+                hidden=torch.cat([h for h, _, _ in parts]),
+                targets=torch.from_numpy(np.concatenate([x for _, x, _ in parts])),
+                span=torch.from_numpy(np.concatenate([s for _, _, s in parts])),
+            )
+            for t, parts in self.teacher.items()
+        }
+        return Spans(self.count, torch.from_numpy(np.concatenate(self.of_token)), teacher)
 
 
 class StoreLoader:
@@ -163,6 +261,7 @@ class StoreLoader:
         dp_rank, dp_size: this rank's place in the data-parallel group.
         prefetch: steps read ahead.
         with_teacher_states: read the teacher hidden states (only ranks that compute the loss need them).
+        spans: read the trained spans of rows of teachers of other tokenizers (`read_microbatches`).
     """
 
     def __init__(
@@ -176,6 +275,7 @@ class StoreLoader:
         dp_size: int = 1,
         prefetch: int = 2,
         with_teacher_states: bool = True,
+        spans: bool = False,
     ) -> None:
         if rows.shape[0] == 0:
             raise ValueError("no rows to train on")
@@ -187,6 +287,7 @@ class StoreLoader:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.prefetch = prefetch
         self.with_teacher_states = with_teacher_states
+        self.spans = spans
 
     def _plan(self, state: LoaderState) -> Iterator[tuple[list[np.ndarray], LoaderState]]:
         epoch, position = state.epoch, state.step_in_epoch
@@ -215,7 +316,7 @@ class StoreLoader:
             try:
                 for micro_rows, after in self._plan(state):
                     read = read_microbatches(
-                        self.store, micro_rows, with_teacher_states=self.with_teacher_states
+                        self.store, micro_rows, with_teacher_states=self.with_teacher_states, spans=self.spans
                     )
                     step = Step(read, after)
                     while not stop.is_set():

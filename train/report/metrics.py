@@ -67,6 +67,9 @@ class StepOutcome(DivergenceStats):
     memory_gib: float
     # The cross-entropy term (per trained token, before train.divergence.ce_weight), when it is on.
     ce: NotRequired[float]
+    # The span log-likelihood match (per trained token, before train.cross_tokenizer.span_weight), when
+    # the step had trained spans of teachers of other tokenizers.
+    span: NotRequired[float]
 
 
 class Lap(TypedDict):
@@ -194,6 +197,7 @@ def _by_teacher(values: dict[str, float], names: TeacherNames) -> str:
 def step_line(record: TrainRecord, total_steps: int, names: TeacherNames, eta: float | None = None) -> str:
     """The one-line summary printed per step: 4 significant digits, teachers by name."""
     ce = f" ce {record['ce']:.4g}" if "ce" in record else ""
+    ce += f" span {record['span']:.4g}" if "span" in record else ""
     left = f" eta {format_duration(eta)}" if eta is not None else ""
     return (
         f"step {record['step']}/{total_steps} loss {record['loss']:.4g}{ce} div {record['divergence']:.4g} "
