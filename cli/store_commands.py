@@ -15,7 +15,7 @@ from rich.table import Table
 
 from mopd.base.errors import MopdError
 from mopd.cli.arguments import STORE
-from mopd.config.mopd_config import load_config
+from mopd.config.mopd_config import MopdConfig, load_config
 from mopd.store.format.loading import read_manifest
 from mopd.store.locations.location import open_location
 from mopd.store.summary import summarise_store
@@ -54,6 +54,8 @@ def verify_manifest_command(
         encoding=config.store.encoding if config else None,
         full=full,
     )
+    if config is not None:
+        problems = _with_tokenizers(problems, config, store)
     if checkpoint is not None:
         problems += _checkpoint_problems(checkpoint, store, config.store.options if config else None)
     for warning in warnings:
@@ -67,6 +69,20 @@ def verify_manifest_command(
         mode = "every byte hashed" if full else "sizes and shapes; --full hashes every byte"
         click.echo(f"ok: {store} is complete and consistent ({mode})")
     sys.exit(1 if problems else 0)
+
+
+def _with_tokenizers(problems: list[str], config: MopdConfig, store: str) -> list[str]:
+    """`problems` with each tokenizer swapped since precompute named (a store with teachers of other
+    tokenizers only: the check loads tokenizers, and with them transformers)."""
+    try:
+        manifest = read_manifest(open_location(store, config.store.options))
+    except MopdError:
+        return problems
+    if not manifest.tokenizer.fingerprint:
+        return problems
+    from mopd.train.store_check import with_tokenizers
+
+    return with_tokenizers(problems, config, manifest)
 
 
 def _checkpoint_problems(folder: Path, store: str, options: Mapping[str, str] | None) -> list[str]:
@@ -130,6 +146,14 @@ def inspect_command(store: str, as_json: bool) -> None:
     for t in summary.teachers:
         line = f"{t.index}: {t.checkpoint} (fingerprint {t.fingerprint[:12]})"
         console.print(line, markup=False, overflow="fold")
+    for t in summary.teachers:
+        if t.tokenizer is not None and t.aligned_share is not None and t.signal_share is not None:
+            console.print(
+                f"{t.index}: another tokenizer ({t.tokenizer}): {t.aligned_share:.1%} of its trained "
+                f"positions aligned with one of its own, {t.signal_share:.1%} aligned or inside a span",
+                markup=False,
+                overflow="fold",
+            )
     for t in summary.teachers:
         if t.calibration is not None:
             c = t.calibration

@@ -26,6 +26,11 @@ class TeacherSummary:
     logical_bytes: int
     full_logit_bytes: int  # what the same tokens would take as fp32 full-vocabulary logits
     calibration: EncodingInfo | None = None  # an int8-rotated store's: what its encoding measured
+    # A teacher of another tokenizer (DESIGN §13): its tokenizer, and the shares of its trained positions
+    # aligned with one of its own, and aligned or inside a span of the same text.
+    tokenizer: str | None = None
+    aligned_share: float | None = None
+    signal_share: float | None = None
 
     @property
     def bytes_per_token(self) -> float:
@@ -66,10 +71,19 @@ def calibration(location: Location, manifest: Manifest, teacher: int) -> Encodin
     return read_calibration(location, artifact.path, part)
 
 
+def cross_tokenizer_shares(root: str | Path) -> dict[int, tuple[float, float]]:
+    """`TeacherStore.aligned_shares`, for a store with teachers of other tokenizers only: it reads row
+    arrays, with torch (which `mopd inspect` of any other store never imports)."""
+    from mopd.store.reader import open_store
+
+    return open_store(root).aligned_shares()
+
+
 def summarise_store(root: str | Path) -> StoreSummary:
     location = open_location(root)
     manifest = read_manifest(location)
     itemsize = storage_dtype(manifest.storage.hidden_dtype).itemsize
+    shares = cross_tokenizer_shares(root) if manifest.tokenizer.fingerprint else {}
     teachers = []
     for teacher in manifest.teachers:
         shards = [s for s in manifest.shards if s.teacher == teacher.index]
@@ -88,6 +102,9 @@ def summarise_store(root: str | Path) -> StoreSummary:
                 logical_bytes=tokens * teacher.hidden_size * itemsize,
                 full_logit_bytes=tokens * teacher.vocab_size * 4,
                 calibration=calibration(location, manifest, teacher.index),
+                tokenizer=teacher.tokenizer.name if teacher.tokenizer else None,
+                aligned_share=shares.get(teacher.index, (None, None))[0],
+                signal_share=shares.get(teacher.index, (None, None))[1],
             )
         )
     return StoreSummary(

@@ -18,6 +18,7 @@ import json
 import re
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from mopd.base.errors import ConfigError
@@ -174,3 +175,21 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
         "chat_template": getattr(tokenizer, "chat_template", None),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def swapped_tokenizer(checkpoint: str | Path, fingerprint: str, *, what: str, fix: str) -> str | None:
+    """One line, naming `what` (the config key of `checkpoint`), when the tokenizer the checkpoint
+    carries is not the one of `fingerprint` that a store's rows were aligned with; None when it is, or
+    when `checkpoint` is not a folder that carries a tokenizer (nothing here to compare)."""
+    folder = Path(checkpoint)
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    found = tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(folder)))
+    if found == fingerprint:
+        return None
+    return (
+        f"{what}: the tokenizer of {folder} is not the one the store's rows were aligned with "
+        f"(fingerprint {fingerprint[:12]} in the store, {found[:12]} now); {fix}"
+    )

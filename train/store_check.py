@@ -17,15 +17,58 @@ from mopd.store.format.manifest import Manifest
 from mopd.store.format.provenance import recorded_source, same_source
 from mopd.store.locations.location import Location
 from mopd.store.verify import check_config, check_routing
+from mopd.tokens.pieces import swapped_tokenizer
 from mopd.train.backends.groups import RankGroup
+from mopd.train.backends.hf import STUDENT_TOKENIZER_FIX
 
 
 def store_differences(config: MopdConfig, manifest: Manifest) -> tuple[list[str], list[str]]:
-    """(problems, warnings) of the config's teachers, aliases and routing against the store's, one line
-    each; the teachers' checkpoints are fingerprinted where they are reachable."""
+    """(problems, warnings) of the config's teachers, aliases, tokenizers and routing against the
+    store's, one line each; the teachers' checkpoints are fingerprinted where they are reachable."""
     problems, warnings = check_config(manifest, config.teachers)
+    problems = with_tokenizers(problems, config, manifest)
     problems += check_routing(manifest, config.routing.model_dump(mode="json"), config.teachers)
     return problems, warnings
+
+
+def with_tokenizers(teacher_problems: list[str], config: MopdConfig, manifest: Manifest) -> list[str]:
+    """`teacher_problems` (`check_config`'s) with each tokenizer swapped since precompute named first: a
+    teacher whose tokenizer files changed is a different teacher too, and its tokenizer is the cause, so
+    its line replaces the generic one."""
+    swapped = tokenizer_differences(config, manifest)
+    kept = [p for p in teacher_problems if not any(p.startswith(f"teacher {t} (") for t in swapped)]
+    return list(swapped.values()) + kept
+
+
+def tokenizer_differences(config: MopdConfig, manifest: Manifest) -> dict[int | str, str]:
+    """For a store with teachers of other tokenizers (DESIGN §13): each such teacher whose configured
+    checkpoint now carries another tokenizer than the one its rows were aligned with (by index), and
+    the student if its tokenizer is not the store's (under "student"), one line each."""
+    if not manifest.tokenizer.fingerprint:
+        return {}
+    found: dict[int | str, str] = {}
+    for teacher in manifest.teachers:
+        alias = next((a for a in teacher.aliases if a in config.teachers), None)
+        if teacher.tokenizer is None or alias is None:
+            continue
+        problem = swapped_tokenizer(
+            config.teachers[alias],
+            teacher.tokenizer.fingerprint,
+            what=f"teachers.{alias}",
+            fix="restore its tokenizer files, or precompute a new store with it",
+        )
+        if problem:
+            found[teacher.index] = problem
+    if config.train is not None:
+        problem = swapped_tokenizer(
+            config.train.student,
+            manifest.tokenizer.fingerprint,
+            what="train.student",
+            fix=STUDENT_TOKENIZER_FIX,
+        )
+        if problem:
+            found["student"] = problem
+    return found
 
 
 def data_differences(config: MopdConfig, manifest: Manifest, root: Location) -> list[str]:

@@ -4,6 +4,7 @@ tokenizer fingerprints."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,13 @@ def test_the_manifest_marks_the_feature_and_binds_both_tokenizers(cross_store: d
     assert problems == []
 
 
-def test_precompute_logs_the_aligned_share(cross_store: dict[str, Any]) -> None:
-    """One line for the teacher of another tokenizer, with the shares the stored alignment gives."""
+def test_precompute_and_inspect_give_the_aligned_share(cross_store: dict[str, Any]) -> None:
+    """One line for the teacher of another tokenizer, with the shares the stored alignment gives row by
+    row, in precompute's log and in `mopd inspect` (its tokenizer named; `--json` the same figures)."""
+    from click.testing import CliRunner
+
+    from mopd.cli.main import cli
+
     store: TeacherStore = cross_store["store"]
     other = next(t for t in store.teachers if t.tokenizer is not None)
     trained = aligned = either = 0
@@ -62,6 +68,16 @@ def test_precompute_logs_the_aligned_share(cross_store: dict[str, Any]) -> None:
         f"teacher chat (another tokenizer): {aligned / trained:.1%} of its trained positions aligned "
         f"with one of its own, {either / trained:.1%} aligned or inside a span of the same text"
     )
+    shown = CliRunner().invoke(cli, ["inspect", str(store.root)], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    (line,) = [line for line in shown.output.splitlines() if "another tokenizer" in line]
+    assert line == (
+        f"{other.index}: another tokenizer ({other.tokenizer.name}): {aligned / trained:.1%} of its trained "
+        f"positions aligned with one of its own, {either / trained:.1%} aligned or inside a span"
+    )
+    summary = json.loads(CliRunner().invoke(cli, ["inspect", str(store.root), "--json"]).output)
+    (entry,) = [t for t in summary["teachers"] if t["tokenizer"] is not None]
+    assert (entry["aligned_share"], entry["signal_share"]) == (aligned / trained, either / trained)
 
 
 def test_the_store_holds_the_teachers_projection(cross_store: dict[str, Any]) -> None:

@@ -5,6 +5,7 @@ the span log-likelihood match and data parallelism."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -56,24 +57,93 @@ def test_training_distils_both_teachers(cross_store: dict[str, Any], tmp_path: P
     assert any(" span " in line for line in lines if line.startswith("step 1/"))
 
 
-def test_training_refuses_a_student_whose_tokenizer_is_not_the_aligned_one(
-    cross_store: dict[str, Any], tmp_path: Path
+def retemplated(source: Path, target: Path) -> Path:
+    """A copy of `source` whose tokenizer renders chats otherwise (same vocabulary, another fingerprint)."""
+    shutil.copytree(source, target)
+    settings = json.loads((target / "tokenizer_config.json").read_text())
+    settings["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (target / "tokenizer_config.json").write_text(json.dumps(settings))
+    (target / "chat_template.jinja").unlink(missing_ok=True)
+    return target
+
+
+def verify_lines(*args: str) -> tuple[int, list[str]]:
+    """`mopd verify-manifest ARGS`: its exit code and output lines."""
+    from click.testing import CliRunner
+
+    from mopd.cli.main import cli
+
+    out = CliRunner().invoke(cli, ["verify-manifest", *args])
+    return out.exit_code, out.output.splitlines()
+
+
+def test_a_tokenizer_swapped_after_precompute_is_named_in_one_line(
+    cross_store: dict[str, Any], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Same vocabulary, another chat template: the alignment no longer holds, and training says so."""
+    """A student, or a teacher of another tokenizer, whose tokenizer renders otherwise than when the store
+    was aligned (same vocabulary, another chat template): `verify-manifest --config` says so in one line
+    naming its key and folder (for the teacher, instead of "a different teacher"), and training refuses
+    with that line. A byte-identical copy of the teacher elsewhere is still the store's. (The copies sit
+    in a folder whose path sorts where the original's does, so that the teachers keep their numbers.)"""
     from mopd.base.errors import ConfigError
     from mopd.train.trainer import run_training
 
-    student = tmp_path / "student"
-    shutil.copytree(cross_store["same"], student)
-    settings = json.loads((student / "tokenizer_config.json").read_text())
-    settings["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    (student / "tokenizer_config.json").write_text(json.dumps(settings))
-    (student / "chat_template.jinja").unlink(missing_ok=True)
-    config = train_config(cross_store, tmp_path, student)
-    with pytest.raises(
-        ConfigError, match="is not the one the store's teachers of other tokenizers were aligned to"
-    ):
-        run_training(load_config(config), log=lambda _: None)
+    store = str(cross_store["store"].root)
+    first = tmp_path_factory.mktemp("a-teachers")
+    copy = first / "chat-copy"
+    shutil.copytree(cross_store["other"], copy)
+    config = train_config(cross_store, tmp_path / "copy", cross_store["same"])
+    raw = yaml.safe_load(config.read_text())
+    raw["teachers"]["chat"] = str(copy)
+    config.write_text(yaml.safe_dump(raw))
+    assert verify_lines(store, "--config", str(config))[0] == 0
+    swaps = {
+        "train.student": ("student", retemplated(cross_store["same"], tmp_path / "student")),
+        "teachers.chat": ("chat", retemplated(cross_store["other"], first / "chat")),
+    }
+    for key, (slot, folder) in swaps.items():
+        config = train_config(
+            cross_store, tmp_path / slot, folder if slot == "student" else cross_store["same"]
+        )
+        if slot == "chat":
+            raw = yaml.safe_load(config.read_text())
+            raw["teachers"]["chat"] = str(folder)
+            config.write_text(yaml.safe_dump(raw))
+        code, lines = verify_lines(store, "--config", str(config))
+        assert code == 1 and len(lines) == 1, lines
+        assert lines[0].startswith(
+            f"{key}: the tokenizer of {folder} is not the one the store's rows were aligned"
+        )
+        with pytest.raises(ConfigError, match=re.escape(lines[0])) as refused:
+            run_training(load_config(config), log=lambda _: None)
+        assert "a different teacher" not in str(refused.value)
+
+
+def test_verify_checkpoint_names_a_store_aligned_with_another_student_tokenizer(
+    cross_store: dict[str, Any], tmp_path: Path
+) -> None:
+    """A checkpoint's run record holds the tokenizers its store was aligned with: against a store of the
+    same teachers aligned with another student tokenizer, `verify-manifest --checkpoint` names it in one
+    line; against its own store, nothing."""
+    from mopd.train.trainer import run_training
+
+    config = train_config(cross_store, tmp_path / "run", cross_store["same"], steps=1)
+    result = run_training(load_config(config), log=lambda _: None)
+    assert result.checkpoint is not None
+    store = str(cross_store["store"].root)
+    assert verify_lines(store, "--checkpoint", str(result.checkpoint))[0] == 0
+    raw = yaml.safe_load(cross_store["config"].read_text())
+    raw["tokenizer"] = str(retemplated(cross_store["same"], tmp_path / "student"))
+    raw["store"]["path"] = str(tmp_path / "other.zarr")
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump(raw))
+    run_precompute(load_config(other), show_progress=False, log=lambda _: None)
+    code, lines = verify_lines(str(tmp_path / "other.zarr"), "--checkpoint", str(result.checkpoint))
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(
+        f"store.tokenizer: {result.checkpoint} was trained with tokenizer fingerprint "
+    )
+    assert lines[0].endswith("a resume on it is refused")
 
 
 def permuted_teacher(source: Path, target: Path, seed: int) -> Path:

@@ -29,7 +29,7 @@ from mopd.config.train import TrainConfig
 from mopd.store.format.fingerprint import vocab_hash
 from mopd.store.format.manifest import Manifest
 from mopd.store.format.transform import LogitTransform
-from mopd.tokens.pieces import tokenizer_fingerprint
+from mopd.tokens.pieces import swapped_tokenizer
 from mopd.train.backends.groups import RankGroup, sum_over_ranks
 from mopd.train.backends.protocol import (
     MODEL_DIR,
@@ -40,6 +40,7 @@ from mopd.train.backends.protocol import (
     student_dtype,
 )
 
+STUDENT_TOKENIZER_FIX = "precompute the store again with this student (its `tokenizer:`)"
 # Any of these means the checkpoint carries a tokenizer (a bare weights folder has none of them).
 TOKENIZER_MARKERS = ("tokenizer_config.json", "tokenizer.json", "vocab.json")
 
@@ -68,17 +69,12 @@ def check_tokenizer(checkpoint: Path, manifest: Manifest) -> None:
         )
     # A store with teachers of other tokenizers was aligned to one tokenizer, bound by its fingerprint:
     # the same vocabulary tokenising otherwise (another normaliser, chat template) would misalign.
-    if tokenizer_file.exists() and manifest.tokenizer.fingerprint:
-        from transformers import AutoTokenizer
-
-        found = tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(checkpoint)))
-        if found != manifest.tokenizer.fingerprint:
-            raise ConfigError(
-                f"train.student: {checkpoint}'s tokenizer is not the one the store's teachers of other "
-                f"tokenizers were aligned to ({manifest.tokenizer.name}, fingerprint "
-                f"{manifest.tokenizer.fingerprint[:12]}, the student's {found[:12]}); precompute the "
-                "store again with this student"
-            )
+    if manifest.tokenizer.fingerprint:
+        problem = swapped_tokenizer(
+            checkpoint, manifest.tokenizer.fingerprint, what="train.student", fix=STUDENT_TOKENIZER_FIX
+        )
+        if problem:
+            raise ConfigError(problem)
 
 
 def load_student_tokenizer(checkpoint: Path) -> Any:

@@ -68,7 +68,25 @@ def run_record(tc: TrainConfig, manifest: Manifest, projections: dict[int, str] 
     fields["store.manifest_hash"] = manifest.hash()
     fields["store.dataset_fingerprint"] = manifest.dataset.fingerprint
     fields["store.encoding"] = manifest.storage.encoding
+    fields.update(tokenizer_fields(manifest))
     return dict(sorted(fields.items()))
+
+
+def tokenizer_fields(manifest: Manifest) -> dict[str, str]:
+    """The tokenizers a store with teachers of other tokenizers was aligned with, by fingerprint: the
+    student's (`store.tokenizer`) and each such teacher's (`store.teacher_tokenizer.{index}`); none for
+    a store of one tokenizer, whose run records stay as they were."""
+    if not manifest.tokenizer.fingerprint:
+        return {}
+    fields = {"store.tokenizer": manifest.tokenizer.fingerprint}
+    for teacher in manifest.teachers:
+        if teacher.tokenizer is not None:
+            fields[f"store.teacher_tokenizer.{teacher.index}"] = teacher.tokenizer.fingerprint
+    return fields
+
+
+def is_tokenizer_field(name: str) -> bool:
+    return name == "store.tokenizer" or name.startswith("store.teacher_tokenizer.")
 
 
 def diff_run_records(recorded: RunRecord, current: RunRecord) -> list[str]:
