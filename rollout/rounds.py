@@ -68,6 +68,9 @@ class RoundRecord(BaseModel):
     steps: int
     sampling_temperature: float | None
     loss_temperature: float
+    # Teachers of other tokenizers (DESIGN §13): the share of their held-out tokens with an aligned
+    # position, by name (their divergence is over those); absent where there are none.
+    heldout_aligned_share: dict[str, float] | None = None
 
 
 def read_round_record(path: Path) -> RoundRecord:
@@ -250,11 +253,20 @@ class Rounds:
             steps=r * self.rounds.steps_per_round,
             sampling_temperature=self.config.rollout.temperature if self.config.rollout else None,
             loss_temperature=self.train.divergence.temperature,
+            heldout_aligned_share=(
+                by_name(evaluated["aligned_share_by_teacher"], self.names)
+                if "aligned_share_by_teacher" in evaluated
+                else None
+            ),
         )
-        write_replace(record_path, json.dumps(record.model_dump(), sort_keys=True).encode())
+        write_replace(record_path, json.dumps(record.model_dump(exclude_none=True), sort_keys=True).encode())
+        shares = record.heldout_aligned_share or {}
         self.log(
             f"round {r}: held-out divergence {record.heldout_divergence:.4g} on its own samples ("
-            + ", ".join(f"{a} {v:.4g}" for a, v in record.heldout_by_teacher.items())
+            + ", ".join(
+                f"{a} {v:.4g}" + (f" aligned {shares[a]:.1%}" if a in shares else "")
+                for a, v in record.heldout_by_teacher.items()
+            )
             + ")"
         )
         return record
@@ -276,7 +288,9 @@ class Rounds:
         return self.trackers
 
     def report(self, records: list[RoundRecord]) -> None:
-        lines = "".join(json.dumps(record.model_dump(), sort_keys=True) + "\n" for record in records)
+        lines = "".join(
+            json.dumps(record.model_dump(exclude_none=True), sort_keys=True) + "\n" for record in records
+        )
         write_replace(self.workdir / LOG_FILE, lines.encode())
         plot_rounds(records, self.workdir / PLOT_FILE)
 

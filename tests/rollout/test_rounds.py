@@ -211,3 +211,35 @@ def test_a_round_that_samples_with_vllm(models: Models, tmp_path: Path) -> None:
     records = [json.loads(line) for line in (workdir / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == [0, 1] and all(r["heldout_tokens"] > 0 for r in records)
     assert len(complete_checkpoints(workdir / "round-001" / "run" / "checkpoints")) == 1
+
+
+def test_a_round_with_a_teacher_of_another_tokenizer(world: World, tmp_path: Path) -> None:
+    """The code teacher replaced by one of another tokenizer: the student's samples reach it as text,
+    the round's store aligns them, the round trains from both teachers, and the held-out evaluation
+    reports each teacher's divergence and the other tokenizer's aligned share."""
+    from mopd.store.format.manifest import CROSS_TOKENIZER
+    from mopd.store.reader import open_store
+    from mopd.train.report.metrics import METRICS_FILE, read_metrics
+    from tests.precompute.teachers import other_vocabulary_teacher
+
+    config = rounds_config(world, tmp_path, count=1)
+    raw = yaml.safe_load(config.read_text())
+    raw["teachers"]["code"] = str(other_vocabulary_teacher(tmp_path))
+    config.write_text(yaml.safe_dump(raw))
+    lines: list[str] = []
+    run_rounds(load_config(config), log=lines.append)
+    folder = tmp_path / "rounds" / "round-001"
+    store = open_store(folder / "store.zarr")
+    assert store.manifest.required_features == [CROSS_TOKENIZER]
+    other = next(t for t in store.teachers if t.tokenizer is not None)
+    assert other.aliases == ["code"] and (store.teacher_indices == other.index).any()
+    trained = [r for r in read_metrics(folder / "run" / METRICS_FILE) if r.get("split", "train") == "train"]
+    assert len(trained) == 4
+    assert all(0 < r["aligned_share_by_teacher"][str(other.index)] <= 1 for r in trained)
+    records = [json.loads(line) for line in (tmp_path / "rounds" / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [0, 1]
+    for record in records:
+        assert set(record["heldout_by_teacher"]) == {"math", "code"}
+        assert 0 < record["heldout_aligned_share"]["code"] <= 1
+    held_out = [line for line in lines if "held-out divergence" in line]
+    assert re.fullmatch(r"round 1: held-out divergence .* code [\d.]+ aligned \d+\.\d%\)", held_out[-1])
