@@ -57,6 +57,37 @@ def test_training_distils_both_teachers(cross_store: dict[str, Any], tmp_path: P
     assert any(" span " in line for line in lines if line.startswith("step 1/"))
 
 
+def test_held_out_evaluation_reports_each_teacher_on_its_aligned_positions(
+    cross_store: dict[str, Any], tmp_path: Path
+) -> None:
+    """4 held-out rows of both teachers, evaluated at the start and the end: each teacher's divergence,
+    the other tokenizer's aligned share, and as many evaluated tokens as the held-out rows' trained
+    positions of the same tokenizer's teacher plus the aligned ones of the other's (counted from the
+    store)."""
+    from mopd.train.trainer import held_out_rows, run_training
+
+    store: TeacherStore = cross_store["store"]
+    config = train_config(cross_store, tmp_path, cross_store["same"], eval={"rows": 4, "every": 0})
+    result = run_training(load_config(config), log=lambda _: None)
+    held = held_out_rows(store.num_rows, 4, 0)
+    other = next(t.index for t in store.teachers if t.tokenizer is not None)
+    assert {store.row(int(i)).teacher_index for i in held} == {t.index for t in store.teachers}
+    tokens, aligned, trained = 0, 0, 0
+    for i in held.tolist():
+        mask = store.row(i).loss_mask.numpy().astype(bool)
+        if store.row(i).teacher_index == other:
+            aligned += int((store.aligned(i)[mask] >= 0).sum())
+            trained += int(mask.sum())
+        else:
+            tokens += int(mask.sum())
+    evaluated = [r for r in result.records if r.get("split") == "eval"]
+    assert [r["step"] for r in evaluated] == [0, 3]
+    for record in evaluated:
+        assert record["trained_tokens"] == tokens + aligned
+        assert set(record["divergence_by_teacher"]) == {str(t.index) for t in store.teachers}
+        assert record["aligned_share_by_teacher"] == {str(other): aligned / trained}
+
+
 def retemplated(source: Path, target: Path) -> Path:
     """A copy of `source` whose tokenizer renders chats otherwise (same vocabulary, another fingerprint)."""
     shutil.copytree(source, target)
@@ -82,9 +113,10 @@ def test_a_tokenizer_swapped_after_precompute_is_named_in_one_line(
 ) -> None:
     """A student, or a teacher of another tokenizer, whose tokenizer renders otherwise than when the store
     was aligned (same vocabulary, another chat template): `verify-manifest --config` says so in one line
-    naming its key and folder (for the teacher, instead of "a different teacher"), and training refuses
-    with that line. A byte-identical copy of the teacher elsewhere is still the store's. (The copies sit
-    in a folder whose path sorts where the original's does, so that the teachers keep their numbers.)"""
+    naming its key and folder (for the teacher, instead of "a different teacher"), and a resume of a run
+    checkpointed before the swap refuses with that line. A byte-identical copy of the teacher elsewhere
+    is still the store's. (The copies sit in a folder whose path sorts where the original's does, so
+    that the teachers keep their numbers.)"""
     from mopd.base.errors import ConfigError
     from mopd.train.trainer import run_training
 
@@ -97,6 +129,8 @@ def test_a_tokenizer_swapped_after_precompute_is_named_in_one_line(
     raw["teachers"]["chat"] = str(copy)
     config.write_text(yaml.safe_dump(raw))
     assert verify_lines(store, "--config", str(config))[0] == 0
+    output = tmp_path / "run"
+    run_training(load_config(config), output=output, max_steps=1, log=lambda _: None)
     swaps = {
         "train.student": ("student", retemplated(cross_store["same"], tmp_path / "student")),
         "teachers.chat": ("chat", retemplated(cross_store["other"], first / "chat")),
@@ -115,7 +149,7 @@ def test_a_tokenizer_swapped_after_precompute_is_named_in_one_line(
             f"{key}: the tokenizer of {folder} is not the one the store's rows were aligned"
         )
         with pytest.raises(ConfigError, match=re.escape(lines[0])) as refused:
-            run_training(load_config(config), log=lambda _: None)
+            run_training(load_config(config), output=output, resume=True, log=lambda _: None)
         assert "a different teacher" not in str(refused.value)
 
 
