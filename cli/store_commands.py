@@ -18,7 +18,7 @@ from mopd.cli.arguments import STORE
 from mopd.config.mopd_config import MopdConfig, load_config
 from mopd.store.format.loading import read_manifest
 from mopd.store.locations.location import open_location
-from mopd.store.summary import summarise_store
+from mopd.store.summary import StoreSummary, summarise_store
 from mopd.store.verify import verify_store
 from mopd.train.checkpoint.verify import check_checkpoint
 
@@ -143,25 +143,8 @@ def inspect_command(store: str, as_json: bool) -> None:
             format_size(t.full_logit_bytes),
         )
     console.print(table)
-    for t in summary.teachers:
-        line = f"{t.index}: {t.checkpoint} (fingerprint {t.fingerprint[:12]})"
+    for line in _teacher_notes(summary):
         console.print(line, markup=False, overflow="fold")
-    for t in summary.teachers:
-        if t.tokenizer is not None and t.aligned_share is not None and t.signal_share is not None:
-            console.print(
-                f"{t.index}: another tokenizer ({t.tokenizer}): {t.aligned_share:.1%} of its trained "
-                f"positions aligned with one of its own, {t.signal_share:.1%} aligned or inside a span",
-                markup=False,
-                overflow="fold",
-            )
-    for t in summary.teachers:
-        if t.calibration is not None:
-            c = t.calibration
-            console.print(
-                f"{t.index}: int8-rotated costs KL {c.kl_mean:.2e} nats a token on average (p99 "
-                f"{c.kl_p99:.2e}, max {c.kl_max:.2e}; top-1 agreement {c.top1_agreement:.1%}), measured on "
-                f"its first {c.measured_tokens:,} tokens against the exact states"
-            )
     console.print(
         f"vocab rows: each teacher's output layer; the tokenizer has {summary.vocab_size} tokens, over "
         "which training distils (rows past them are padding and take no part)"
@@ -172,3 +155,24 @@ def inspect_command(store: str, as_json: bool) -> None:
         f"{summary.codec}: {format_size(summary.stored_bytes)} on disk, compression ratio "
         f"{summary.compression_ratio:.3f}"
     )
+
+
+def _teacher_notes(summary: StoreSummary) -> list[str]:
+    """The lines below the table: each teacher's checkpoint, its tokenizer's shares when it is another
+    tokenizer than the store's, and an int8-rotated store's encoding cost."""
+    lines = [f"{t.index}: {t.checkpoint} (fingerprint {t.fingerprint[:12]})" for t in summary.teachers]
+    for t in summary.teachers:
+        if t.tokenizer is not None and t.aligned_share is not None and t.signal_share is not None:
+            lines.append(
+                f"{t.index}: another tokenizer ({t.tokenizer}): {t.aligned_share:.1%} of its trained "
+                f"positions aligned with one of its own, {t.signal_share:.1%} aligned or inside a span"
+            )
+    for t in summary.teachers:
+        if t.calibration is not None:
+            c = t.calibration
+            lines.append(
+                f"{t.index}: int8-rotated costs KL {c.kl_mean:.2e} nats a token on average (p99 "
+                f"{c.kl_p99:.2e}, max {c.kl_max:.2e}; top-1 agreement {c.top1_agreement:.1%}), measured on "
+                f"its first {c.measured_tokens:,} tokens against the exact states"
+            )
+    return lines
