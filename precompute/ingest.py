@@ -41,6 +41,7 @@ from mopd.store.format.fingerprint import TOKENIZER_FILES
 from mopd.store.format.manifest import canonical_json
 from mopd.store.format.provenance import INGEST_DIR, INGEST_RECORD
 from mopd.store.locations.location import Location
+from mopd.tokens.alignment import shares_line
 
 INGEST_VERSION = 1
 ROWS_FILE = "rows.arrow"
@@ -253,10 +254,7 @@ def ingest_rows(
     )
     names = {s.index: "+".join(s.aliases) for s in teachers.slots}
     for teacher, (aligned, either) in aligned_shares(rows.table, rows.teacher_index).items():
-        log(
-            f"teacher {names[teacher]} (another tokenizer): {aligned:.1%} of its trained positions aligned "
-            f"with one of its own, {either:.1%} aligned or inside a span of the same text"
-        )
+        log(shares_line(names[teacher], aligned, either))
     if rows.num_trained == 0:
         raise ConfigError(
             f"data.path {config.data.path}: none of its {rows.num_rows} rows has a trained token (every "

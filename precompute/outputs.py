@@ -154,7 +154,10 @@ class StoreOutput:
             shard.close()
             if own:
                 columns = {name: [rows.cross[col][r] for r in order] for name, col in CROSS_ARRAYS.items()}
-                write_alignment(out, hidden_size=teacher.hidden_size, dtype=self.hidden_dtype, **columns)
+                trained = [rows.loss_mask[r] for r in order]
+                write_alignment(
+                    out, hidden_size=teacher.hidden_size, dtype=self.hidden_dtype, trained=trained, **columns
+                )
 
     @property
     def removed(self) -> tuple[Path, ...]:

@@ -104,7 +104,13 @@ def _artifact(task: TaskSpec, part: PartRecord, part_sha256: str) -> ArtifactRec
         return EncodingArtifact(teacher=task.teacher, **stats)
     if isinstance(task, ProjectionTask):
         return ProjectionArtifact(teacher=task.teacher, **stats)
-    return ShardArtifact(teacher=task.teacher, shard=task.shard, aligned_tokens=part.aligned_tokens, **stats)
+    return ShardArtifact(
+        teacher=task.teacher,
+        shard=task.shard,
+        aligned_tokens=part.aligned_tokens,
+        alignment=part.alignment,
+        **stats,
+    )
 
 
 def required_features(plan: Plan) -> list[str]:

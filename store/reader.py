@@ -320,21 +320,6 @@ class TeacherStore:
         start = int(starts[i])
         return self.manifest.shards[int(shard_of[i])], slice(start, start + int(self.lengths[i]))
 
-    def aligned_shares(self) -> dict[int, tuple[float, float]]:
-        """teacher → (the share of its trained positions with an aligned teacher position, the share
-        aligned or inside a span), for each teacher of another tokenizer, over the whole store."""
-        counts: dict[int, np.ndarray] = {}
-        for shard in self.manifest.shards:
-            if self.teacher(shard.teacher).tokenizer is None:
-                continue
-            row_ids = self._array(shard.path, ROW_IDS).read().astype(np.int64)
-            trained = np.concatenate([row.loss_mask.numpy() for row in self.rows(row_ids)]).astype(bool)
-            aligned = self._array(shard.path, ALIGNED).read()[trained] >= 0
-            spanned = self._array(shard.path, STUDENT_SPAN).read()[trained] >= 0
-            found = np.array([trained.sum(), aligned.sum(), (aligned | spanned).sum()], dtype=np.int64)
-            counts[shard.teacher] = counts.get(shard.teacher, 0) + found
-        return {t: (c[1] / c[0], c[2] / c[0]) for t, c in sorted(counts.items()) if c[0]}
-
     def projection(self, teacher_index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A teacher of another tokenizer's projection onto the store's vocabulary: its entries' source
         (teacher token), target (store token) and weight (`mopd.tokens.projection.Projection`).

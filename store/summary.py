@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mopd.store.arrays.write import storage_dtype
 from mopd.store.format.loading import part_key, read_calibration, read_manifest, read_record
-from mopd.store.format.manifest import EncodingInfo, Manifest, parse_part
+from mopd.store.format.manifest import EncodingInfo, Manifest, aligned_shares, parse_part
 from mopd.store.locations.location import Location, open_location
 
 
@@ -71,19 +71,11 @@ def calibration(location: Location, manifest: Manifest, teacher: int) -> Encodin
     return read_calibration(location, artifact.path, part)
 
 
-def cross_tokenizer_shares(root: str | Path) -> dict[int, tuple[float, float]]:
-    """`TeacherStore.aligned_shares`, for a store with teachers of other tokenizers only: it reads row
-    arrays, with torch (which `mopd inspect` of any other store never imports)."""
-    from mopd.store.reader import open_store
-
-    return open_store(root).aligned_shares()
-
-
 def summarise_store(root: str | Path) -> StoreSummary:
     location = open_location(root)
     manifest = read_manifest(location)
     itemsize = storage_dtype(manifest.storage.hidden_dtype).itemsize
-    shares = cross_tokenizer_shares(root) if manifest.tokenizer.fingerprint else {}
+    shares = aligned_shares(manifest)
     teachers = []
     for teacher in manifest.teachers:
         shards = [s for s in manifest.shards if s.teacher == teacher.index]

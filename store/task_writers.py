@@ -45,6 +45,7 @@ from mopd.store.format.manifest import (
     CALIBRATION_FILE,
     EXACT,
     INT8_ROTATED,
+    AlignmentCounts,
     EncodingInfo,
     HeadInfo,
     PartRecord,
@@ -211,10 +212,12 @@ def write_alignment(
     teacher_span: Sequence[np.ndarray],
     aligned: Sequence[np.ndarray],
     student_span: Sequence[np.ndarray],
+    trained: Sequence[np.ndarray],
 ) -> None:
     """The arrays a shard of a teacher of another tokenizer adds (`layout.shard_arrays`): per row, in
     the shard's row order, the teacher's own tokens and each teacher position's span, and each student
-    position's aligned teacher position and span. Call after the shard's states are written."""
+    position's aligned teacher position and span; its part record counts the rows' `trained` (loss-mask)
+    positions, those aligned and those aligned or in a span. Call after the shard's states are written."""
     num_tokens, num_aligned = sum(map(len, token_ids)), sum(map(len, aligned))
     arrays = shard_arrays(len(token_ids), num_tokens, hidden_size, dtype, aligned_tokens=num_aligned)
     for name, rows in (
@@ -226,3 +229,9 @@ def write_alignment(
         values = pack_rows([np.asarray(r, np.int32) for r in rows])[0].astype(np.int32)
         output.write(arrays[name], values)
     output.aligned_tokens = num_aligned
+    mask = np.concatenate([np.asarray(m, bool) for m in trained]) if trained else np.zeros(0, bool)
+    has_teacher = np.concatenate(aligned)[mask] >= 0 if trained else mask
+    in_span = np.concatenate(student_span)[mask] >= 0 if trained else mask
+    output.alignment = AlignmentCounts(
+        trained=int(mask.sum()), aligned=int(has_teacher.sum()), reached=int((has_teacher | in_span).sum())
+    )

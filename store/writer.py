@@ -27,6 +27,7 @@ from mopd.store.format.loading import load_part, load_plan, part_key, read_recor
 from mopd.store.format.manifest import (
     PARTS_DIR,
     PLAN_FILE,
+    AlignmentCounts,
     HeadInfo,
     HeadTask,
     Manifest,
@@ -52,6 +53,7 @@ class TaskOutput:
         self.num_rows = 0
         self.num_tokens = 0
         self.aligned_tokens = 0  # a shard of a teacher of another tokenizer: its alignment's positions
+        self.alignment: AlignmentCounts | None = None  # and its trained positions' counts
         self.head: HeadInfo | None = None  # what an LM-head task measured of its teacher
         self._chunk_bytes = storage.chunk_bytes
         self._codec = storage.codec
@@ -219,6 +221,7 @@ class StoreWriter:
             files=files,
             head=output.head,
             aligned_tokens=output.aligned_tokens,
+            alignment=output.alignment,
         )
         path = self.part_path(spec.task_id)
         record = canonical_json(part.model_dump(mode="json"))

@@ -23,8 +23,10 @@ from mopd.base.devices import check_device, rank_device
 from mopd.base.errors import ConfigError
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.train import TrainConfig
+from mopd.store.format.manifest import Manifest, aligned_shares
 from mopd.store.format.teachers import TeacherIdentity
 from mopd.store.reader import TeacherStore, open_store
+from mopd.tokens.alignment import shares_line
 from mopd.train.backends.groups import RankGroup
 from mopd.train.backends.protocol import LossFn, TrainStudent
 from mopd.train.backends.registry import backend
@@ -143,6 +145,14 @@ class Session:
         return EvalRecord(split="eval", step=step, **stats.divergences())
 
 
+def _cross_tokenizer_lines(manifest: Manifest, span_weight: float) -> list[str]:
+    """One line per teacher of another tokenizer: the shares of its trained positions it supervises, and
+    whether the span loss trains the positions inside spans."""
+    names = {t.index: "+".join(t.aliases) for t in manifest.teachers}
+    spans = f"; span loss weight {span_weight:g}" if span_weight > 0 else "; span loss off"
+    return [shares_line(names[t], *shares) + spans for t, shares in aligned_shares(manifest).items()]
+
+
 def open_session(config: MopdConfig, *, store_path: str | Path | None = None, log: Log = print) -> Session:
     """Builds the session of `config`'s `train` section over its store (or `store_path`).
 
@@ -169,6 +179,8 @@ def open_session(config: MopdConfig, *, store_path: str | Path | None = None, lo
             f"store {store.root}: {store.num_rows:,} rows, {manifest.dataset.num_tokens:,} tokens, "
             f"{len(manifest.teachers)} teachers"
         )
+        for line in _cross_tokenizer_lines(manifest, tc.cross_tokenizer.span_weight):
+            log(line)
         log(f"loading student {tc.student} ({tc.backend}, {tc.dtype}) on {device}")
         student = entry.open_student(tc, device, world, exits)
         exits.callback(student.close)

@@ -234,6 +234,23 @@ class Plan(_Record):
         return sha256_json(self.model_dump(mode="json", exclude={"created_with"}))
 
 
+class AlignmentCounts(_Record):
+    """A shard of a teacher of another tokenizer: its rows' trained student positions, those aligned
+    with a teacher position, and those aligned or inside a span (what precompute logs, `mopd inspect`
+    and `mopd train` report as shares)."""
+
+    trained: Count
+    aligned: Count
+    reached: Count
+
+    def __add__(self, other: AlignmentCounts) -> AlignmentCounts:
+        return AlignmentCounts(
+            trained=self.trained + other.trained,
+            aligned=self.aligned + other.aligned,
+            reached=self.reached + other.reached,
+        )
+
+
 class PartRecord(_Record):
     """A finished task: its counts and every file of its folder (relative path → size, sha256)."""
 
@@ -245,10 +262,12 @@ class PartRecord(_Record):
     hash: str
     files: dict[str, tuple[Count, str]]
     head: HeadInfo | None = None  # LM-head tasks only
-    # A shard of a teacher of another tokenizer: the student positions its alignment arrays cover.
+    # A shard of a teacher of another tokenizer: the student positions its alignment arrays cover, and
+    # how many of the trained ones its teacher supervises.
     aligned_tokens: Count = 0
+    alignment: AlignmentCounts | None = None
 
-    OMITTED_AT_DEFAULT = ("aligned_tokens",)
+    OMITTED_AT_DEFAULT = ("aligned_tokens", "alignment")
 
 
 class _Published(_Record):
@@ -273,12 +292,13 @@ class HeadArtifact(_Published):
 
 
 class ShardArtifact(_Published):
-    OMITTED_AT_DEFAULT = ("aligned_tokens",)
+    OMITTED_AT_DEFAULT = ("aligned_tokens", "alignment")
 
     kind: Literal["hidden"] = "hidden"
     teacher: Count
     shard: Count
     aligned_tokens: Count = 0  # as its part record's
+    alignment: AlignmentCounts | None = None  # as its part record's
 
 
 class EncodingArtifact(_Published):
@@ -294,6 +314,18 @@ class ProjectionArtifact(_Published):
 
 
 ArtifactRecord = RowsArtifact | HeadArtifact | ShardArtifact | EncodingArtifact | ProjectionArtifact
+
+
+def aligned_shares(manifest: Manifest) -> dict[int, tuple[float, float]]:
+    """teacher → (the share of its trained positions with an aligned teacher position, the share
+    aligned or inside a span), for each teacher of another tokenizer, from its shards' records."""
+    counts: dict[int, AlignmentCounts] = {}
+    for shard in manifest.shards:
+        if shard.alignment is not None:
+            counts[shard.teacher] = (
+                counts[shard.teacher] + shard.alignment if shard.teacher in counts else shard.alignment
+            )
+    return {t: (c.aligned / c.trained, c.reached / c.trained) for t, c in sorted(counts.items()) if c.trained}
 
 
 class Manifest(_Record):

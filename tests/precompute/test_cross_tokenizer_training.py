@@ -52,6 +52,9 @@ def test_training_distils_both_teachers(cross_store: dict[str, Any], tmp_path: P
         all(0.3 < share <= 1.0 for share in shares) and min(shares) < 1.0
     )  # a step's rows, some all aligned
     assert any(" aligned [chat=" in line for line in lines if line.startswith("step 1/"))
+    # Before step 1, the shares the store's records give, as precompute logged them.
+    logged = next(line for line in cross_store["log"] if "another tokenizer" in line)
+    assert f"{logged}; span loss weight 1" in lines
     # The span term (on by default) is reported beside the divergence, per trained token.
     assert all(np.isfinite(r["span"]) and r["span"] > 0 for r in records)
     assert any(" span " in line for line in lines if line.startswith("step 1/"))

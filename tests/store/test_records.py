@@ -4,7 +4,13 @@ OMITTED_AT_DEFAULT), so a store of teachers of one tokenizer hashes as an earlie
 
 from __future__ import annotations
 
-from mopd.store.format.manifest import PartRecord, ShardArtifact, TeacherInfo, TokenizerInfo
+from mopd.store.format.manifest import (
+    AlignmentCounts,
+    PartRecord,
+    ShardArtifact,
+    TeacherInfo,
+    TokenizerInfo,
+)
 
 
 def test_fields_of_the_cross_tokenizer_feature_are_absent_at_their_defaults() -> None:
@@ -16,8 +22,8 @@ def test_fields_of_the_cross_tokenizer_feature_are_absent_at_their_defaults() ->
     )
     assert tokenizer.model_dump(mode="json") == {"name": "t", "vocab_hash": "h", "vocab_size": 3}
     assert "tokenizer" not in teacher.model_dump(mode="json")
-    assert "aligned_tokens" not in part.model_dump(mode="json")
-    assert "aligned_tokens" not in shard.model_dump(mode="json")
+    for field in ("aligned_tokens", "alignment"):
+        assert field not in part.model_dump(mode="json") and field not in shard.model_dump(mode="json")
     # ... and present where they are set, so that a store with such teachers records them.
     own = TokenizerInfo(name="o", vocab_hash="g", vocab_size=5, fingerprint="p")
     assert own.model_dump(mode="json")["fingerprint"] == "p"
@@ -27,3 +33,7 @@ def test_fields_of_the_cross_tokenizer_feature_are_absent_at_their_defaults() ->
         PartRecord(**{**part.model_dump(), "aligned_tokens": 7}).model_dump(mode="json")["aligned_tokens"]
         == 7
     )
+    counts = AlignmentCounts(trained=4, aligned=3, reached=4)
+    assert ShardArtifact(**{**shard.model_dump(), "alignment": counts}).model_dump(mode="json")[
+        "alignment"
+    ] == {"trained": 4, "aligned": 3, "reached": 4}
