@@ -22,7 +22,8 @@ from mopd.train.backends.protocol import TrainStudent
 from mopd.train.data.loader import MicroBatch, Spans
 from mopd.train.heads import TeacherHeads
 from mopd.train.kernel.chunk_chain import chunk_size_for, should_compile
-from mopd.train.kernel.divergence import linear_cross_entropy, linear_divergence
+from mopd.train.kernel.divergence import linear_divergence
+from mopd.train.kernel.labels import linear_cross_entropy
 from mopd.train.kernel.projected import projected_divergence
 from mopd.train.kernel.spans import span_likelihood_match, span_sums, teacher_log_probs
 from mopd.train.report.metrics import DivergenceStats

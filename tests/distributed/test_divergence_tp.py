@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mopd.train.kernel.divergence import linear_cross_entropy, linear_divergence
+from mopd.train.kernel.divergence import linear_divergence
+from mopd.train.kernel.labels import linear_cross_entropy
 from mopd.train.kernel.reference import reference_divergence
 from tests.distributed.harness import run_distributed
 from tests.tolerance import assert_close, perturbed, sum_rtol, value_atol

@@ -7,7 +7,8 @@ import itertools
 import pytest
 import torch
 
-from mopd.train.kernel.divergence import KINDS, linear_cross_entropy, linear_divergence
+from mopd.train.kernel.divergence import KINDS, linear_divergence
+from mopd.train.kernel.labels import linear_cross_entropy
 from mopd.train.kernel.reference import reference_divergence
 from tests.tolerance import BF16_U, assert_close, sum_rtol, value_atol
 from tests.train.divergence_cases import Case, logit_range, make_case

@@ -12,7 +12,8 @@ import torch
 
 from mopd.train.kernel import chunk_chain
 from mopd.train.kernel.chunk_chain import chunk_size_for, should_compile
-from mopd.train.kernel.divergence import KINDS, linear_cross_entropy, linear_divergence
+from mopd.train.kernel.divergence import KINDS, linear_divergence
+from mopd.train.kernel.labels import linear_cross_entropy
 from tests.tolerance import LAMBDA, U, assert_close
 from tests.train.divergence_cases import make_case
 from tests.train.test_divergence import run_fused

@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from mopd.train.kernel.divergence import KINDS, linear_cross_entropy, linear_divergence
+from mopd.train.kernel.divergence import KINDS, linear_divergence
+from mopd.train.kernel.labels import linear_cross_entropy
 from tests.tolerance import BF16_U, LAMBDA, U, assert_close, sum_rtol
 from tests.train.allocations import PeakLiveBytes
 from tests.train.divergence_cases import Case, logit_range, make_case, tvd_tie_atol

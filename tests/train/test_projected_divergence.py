@@ -304,3 +304,14 @@ def test_span_likelihood_match_equals_autograd_in_float64() -> None:
     ):
         atol = 2 * scale * float(operand.abs().max()) * (num_tokens if name == "grad_head" else 1)
         assert_close(got, ref, atol=atol, rtol=sum_rtol(vs + num_tokens), norm=True, what=name)
+
+
+def test_span_chunks_end_where_spans_do() -> None:
+    """Chunks of at most 4 tokens over spans of 1 to 6 tokens: each chunk starts a span and is as long
+    as whole spans within 4 tokens allow; a span longer than 4 tokens is a chunk of its own."""
+    from mopd.train.kernel.spans import span_chunks
+
+    span_of = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3, 3, 3, 3, 3, 4, 5, 5])
+    starts = span_chunks(span_of, 4)
+    assert starts == (0, 2, 6, 12)
+    assert span_chunks(span_of, 100) == (0,) and span_chunks(torch.zeros(0, dtype=torch.long), 4) == ()

@@ -226,14 +226,29 @@ def label_value_and_grad(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """−log p_s(label) [C] and scale_C ⊙ its gradient [C, V] from tempered logits, in place; `local_C`
     holds the labels as this rank's column numbers (outside [0, V_local): another rank's)."""
+    value_C, parts = label_values(logits_CV, local_C, group)
+    return value_C, label_grad(parts, scale_C)
+
+
+def label_values(
+    logits_CV: torch.Tensor, local_C: torch.Tensor, group: Any
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """−log p_s(label) [C] from tempered logits (as `label_value_and_grad`), and what `label_grad`
+    needs to form its gradient: the logits become exp(z − max) in place."""
     mine_C = (local_C >= 0) & (local_C < logits_CV.shape[1])
     at_C = torch.where(mine_C, local_C, 0)
     label_logit_C = torch.where(mine_C, logits_CV.gather(1, at_C[:, None])[:, 0], 0.0)
     max_C = all_reduce(logits_CV.amax(1), dist.ReduceOp.MAX, group)
     probs_CV = logits_CV.sub_(max_C[:, None]).exp_()
     sums = all_reduce(torch.stack([probs_CV.sum(1), label_logit_C], 1), dist.ReduceOp.SUM, group)
-    grad_CV = probs_CV.mul_((scale_C / sums[:, 0])[:, None])  # scale ⊙ (softmax − one-hot(label))
+    return max_C + sums[:, 0].log() - sums[:, 1], (probs_CV, sums[:, 0], at_C, mine_C)
+
+
+def label_grad(parts: tuple[torch.Tensor, ...], scale_C: torch.Tensor) -> torch.Tensor:
+    """scale_C ⊙ d(−log p_s(label)) / d logits [C, V], in place of `label_values`' exponentials."""
+    probs_CV, total_C, at_C, mine_C = parts
+    grad_CV = probs_CV.mul_((scale_C / total_C)[:, None])  # scale ⊙ (softmax − one-hot(label))
     # The owner's label column loses scale: a scatter of −scale·mine (0 elsewhere), without
     # data-dependent shapes.
     grad_CV.scatter_add_(1, at_C[:, None], -(scale_C * mine_C)[:, None])
-    return max_C + sums[:, 0].log() - sums[:, 1], grad_CV
+    return grad_CV

@@ -19,7 +19,6 @@ from mopd.train.kernel.chunk_chain import (
     block_rows,
     cached_compile,
     chunk_size_for,
-    label_value_and_grad,
     shape_key,
     soft_in_blocks,
     soft_value_and_grad,
@@ -112,7 +111,7 @@ def _teacher_rows(
     return rows
 
 
-def _valid_columns(
+def valid_columns(
     vocab_start: int, local_vocab: int, vocab_size: int, device: torch.device
 ) -> torch.Tensor | None:
     """[V_local] mask of real vocabulary columns, or None when this slice has no padding."""
@@ -138,6 +137,9 @@ class _Plan:
     group: Any
     native: bool
     compiled: bool = False  # run the chunk chain compiled (single-rank only: see `_SoftTargets`)
+    # Where each chunk starts (None: every chunk_size tokens), for an objective whose chunks must hold
+    # whole groups of tokens (`spans.span_likelihood_match`); a chunk may then pass chunk_size.
+    starts: tuple[int, ...] | None = None
 
 
 class _ChunkObjective:
@@ -236,36 +238,6 @@ class _SoftTargets(_ChunkObjective):
         self.block = block_rows(full) if self.chain is None and plan.group is None and on_cpu else None
 
 
-class _HardLabels(_ChunkObjective):
-    """−log p_s(label): the label's logit is taken on the rank that owns it (labels of no rank: 0)."""
-
-    def __init__(self, labels: torch.Tensor, vocab_start: int) -> None:
-        self.labels, self.vocab_start = labels, vocab_start
-        self.chain: Any = None  # the compiled chunk chain, when used
-
-    def prepare(self, full: dict[str, torch.Tensor], plan: _Plan) -> None:
-        zs = full["zs"]
-        if plan.compiled and plan.group is None:
-            local = torch.zeros(zs.shape[0], dtype=self.labels.dtype, device=zs.device)
-            scale = zs.new_zeros(zs.shape[0])
-            self.chain = cached_compile(
-                label_value_and_grad, ("labels", *shape_key(zs)), [zs], zs, local, scale, None
-            )
-
-    def value_and_grad(
-        self, full: dict[str, torch.Tensor], span: slice, scale_C: torch.Tensor, plan: _Plan
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        size = span.stop - span.start
-        local_C = self.labels[span] - self.vocab_start
-        if self.chain is None:
-            return label_value_and_grad(full["zs"][:size], local_C, scale_C, plan.group)
-        # Full width, as `_SoftTargets` does; the spare rows' labels are owned by no rank.
-        width = full["zs"].shape[0]
-        padded = torch.cat([local_C, local_C.new_full((width - size,), -1)]) if size < width else local_C
-        value, grad = self.chain(full["zs"], padded, _full_width(scale_C, full), None)
-        return value[:size], grad[:size]
-
-
 def _temper(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """logits / T in place; a pass over [C, V] saved at T = 1."""
     return logits if temperature == 1.0 else logits.div_(temperature)
@@ -294,14 +266,16 @@ class _FusedLinearLoss(torch.autograd.Function):
         grad_hs_NH = torch.zeros(hs_NH.shape, dtype=fp32, device=device) if ctx.needs_input_grad[0] else None
         grad_ws_VH = torch.zeros(ws_VH.shape, dtype=fp32, device=device) if ctx.needs_input_grad[1] else None
         values_N = torch.zeros(num_tokens, dtype=fp32, device=device)
-        width = min(plan.chunk_size, num_tokens)
+        starts = plan.starts if plan.starts is not None else tuple(range(0, num_tokens, plan.chunk_size))
+        stops = (*starts[1:], num_tokens)
+        width = max((stop - start for start, stop in zip(starts, stops, strict=True)), default=0)
         full = {
             name: torch.empty(width, local_vocab, dtype=fp32, device=device)
             for name in plan.objective.buffer_names
         }
         plan.objective.prepare(full, plan)
-        for start in range(0, num_tokens, plan.chunk_size):
-            span = slice(start, min(start + plan.chunk_size, num_tokens))
+        for start, stop in zip(starts, stops, strict=True):
+            span = slice(start, stop)
             tokens_C = plan.order[span] if plan.order is not None else span
             zs = full["zs"][: span.stop - start]
             hs_CH = hs_NH[tokens_C]
@@ -363,6 +337,7 @@ def fused_loss(
     tp_group: Any,
     compiled: bool,
     order: torch.Tensor | None = None,
+    starts: tuple[int, ...] | None = None,
 ) -> DivergenceOutput:
     """`objective` through the chunk loop every fused loss shares (`_FusedLinearLoss`)."""
     device = student_hidden.device
@@ -376,6 +351,7 @@ def fused_loss(
         group=tp_group,
         native=native_gemms(device),
         compiled=compiled,
+        starts=starts,
     )
     loss, per_token = _FusedLinearLoss.apply(student_hidden, student_head, plan)
     return DivergenceOutput(loss=loss, per_token=per_token)
@@ -438,7 +414,7 @@ def linear_divergence(
     num_tokens, local_vocab = student_hidden.shape[0], student_head.shape[0]
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     vocab_size = local_vocab * tp_size if vocab_size is None else vocab_size
-    valid = _valid_columns(vocab_start, local_vocab, vocab_size, device)
+    valid = valid_columns(vocab_start, local_vocab, vocab_size, device)
     order = torch.argsort(teacher_index, stable=True).to(device)  # group tokens by teacher
     transforms = {t: (teacher_transforms or {}).get(t, LogitTransform()) for t in rows}
     objective = _SoftTargets(
@@ -461,49 +437,3 @@ def linear_divergence(
         compiled=compiled,
         order=order,
     )
-
-
-def linear_cross_entropy(
-    student_hidden: torch.Tensor,
-    student_head: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    weights: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    chunk_size: int | Literal["auto"] = "auto",
-    tp_group: Any = None,
-    vocab_start: int = 0,
-    vocab_size: int | None = None,
-    compiled: bool = False,
-) -> DivergenceOutput:
-    """Σ_n weights_n · (−log p_s(labels_n)), the hard-label loss, without any [N, V] tensor.
-
-    Args:
-        student_hidden: [N, Hs]; student_head: [V_local, Hs] this rank's shard.
-        labels: [N] global vocabulary ids; a negative label (e.g. −100) contributes zero.
-        weights, temperature, chunk_size, tp_group, vocab_start, vocab_size, compiled: as
-            `linear_divergence`.
-    """
-    num_tokens, local_vocab = student_hidden.shape[0], student_head.shape[0]
-    if labels.shape != (num_tokens,):
-        raise ValueError(f"labels has shape {tuple(labels.shape)}, expected ({num_tokens},)")
-    device = student_hidden.device
-    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    vocab_size = local_vocab * tp_size if vocab_size is None else vocab_size
-    if labels.numel() and int(labels.max()) >= vocab_size:
-        raise ValueError(f"a label is ≥ the vocabulary size {vocab_size}")
-    valid = _valid_columns(vocab_start, local_vocab, vocab_size, device)
-    weights = token_weights(weights, num_tokens, device)
-    labels = labels.to(device)
-    out = fused_loss(
-        student_hidden,
-        student_head,
-        _HardLabels(torch.where(labels < 0, -(10**12), labels), int(vocab_start)),  # no rank's
-        weights=torch.where(labels < 0, 0.0, weights.detach().float()),
-        temperature=temperature,
-        chunk_size=chunk_size,
-        valid=valid,
-        tp_group=tp_group,
-        compiled=compiled,
-    )
-    return DivergenceOutput(loss=out.loss, per_token=torch.where(labels < 0, 0.0, out.per_token))

@@ -9,10 +9,11 @@ aligned teacher position supervises still get a signal:
     loss = Σ_s w_s · ½ (ℓ_student(s) − ℓ_teacher(s))²
 
 Both likelihoods are taken at temperature 1 (a likelihood of text, not a softened distribution). The
-student's side runs through the fused hard-label kernel (`linear_cross_entropy`), never an [N, V]
-tensor: once without gradients for the likelihoods, once with each token weighted by its span's
-d loss / d ℓ. The teacher's side needs no gradient: its log-probabilities of its own next tokens,
-chunk by chunk.
+student's side runs through the fused chunk loop (`divergence.fused_loss`) in one pass, never an [N, V]
+tensor: its chunks end where spans do, so each span's likelihood is summed inside its chunk before its
+tokens' gradients — the hard label's, scaled by the span's d loss / d ℓ — are formed (one GEMM for the
+logits and two for the gradients, as for any fused loss). The teacher's side needs no gradient: its
+log-probabilities of its own next tokens, chunk by chunk.
 
 Legend: N student positions, M teacher positions, S spans, C tokens in a chunk, Vt the teacher's
 vocabulary.
@@ -20,13 +21,21 @@ vocabulary.
 
 from __future__ import annotations
 
+import bisect
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from mopd.store.format.transform import LogitTransform
-from mopd.train.kernel.chunk_chain import chunk_size_for
-from mopd.train.kernel.divergence import DivergenceOutput, linear_cross_entropy
+from mopd.train.kernel.chunk_chain import chunk_size_for, label_grad, label_values
+from mopd.train.kernel.divergence import (
+    DivergenceOutput,
+    _ChunkObjective,
+    _Plan,
+    fused_loss,
+    valid_columns,
+)
 
 
 def span_sums(values_N: torch.Tensor, span_N: torch.Tensor, num_spans: int) -> torch.Tensor:
@@ -63,6 +72,61 @@ def teacher_log_probs(
     return out
 
 
+class _SpanLikelihood(_ChunkObjective):
+    """The span loss in one pass over the student's logits: each chunk holds whole spans, so a span's
+    student log-likelihood is known inside its chunk before its tokens' gradients are formed. A span's
+    loss is the value of its first token (the driver's token weights are all 1)."""
+
+    def __init__(
+        self,
+        targets: torch.Tensor,
+        span_of: torch.Tensor,
+        teacher_likelihood: torch.Tensor,
+        span_weights: torch.Tensor,
+        vocab_start: int,
+    ) -> None:
+        self.targets, self.span_of, self.vocab_start = targets, span_of, vocab_start
+        self.teacher_likelihood = teacher_likelihood.double()
+        self.span_weights = span_weights.double()
+        self.per_span = torch.zeros_like(self.teacher_likelihood)  # ½ (ℓ_student − ℓ_teacher)²
+
+    def value_and_grad(
+        self, full: dict[str, torch.Tensor], span: slice, scale_C: torch.Tensor, plan: _Plan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        size = span.stop - span.start
+        nll_C, parts = label_values(full["zs"][:size], self.targets[span] - self.vocab_start, plan.group)
+        span_C = self.span_of[span]
+        first, stop = int(span_C[0]), int(span_C[-1]) + 1
+        local_C = span_C - first
+        student_K = torch.zeros(stop - first, dtype=torch.float64, device=nll_C.device)
+        gap_K = student_K.index_add_(0, local_C, -nll_C.double()) - self.teacher_likelihood[first:stop]
+        self.per_span[first:stop] = 0.5 * gap_K.square()
+        # d loss / d ℓ_student(s) = w_s · gap_s, and ℓ_student is −Σ of the tokens' values: each token's
+        # value gradient is scaled by −w_s · gap_s.
+        slope_K = self.span_weights[first:stop] * gap_K
+        grad_CV = label_grad(parts, -slope_K[local_C].float() * scale_C)
+        opens_C = torch.ones(size, dtype=torch.bool, device=nll_C.device)
+        opens_C[1:] = span_C[1:] != span_C[:-1]
+        value_C = torch.zeros(size, device=nll_C.device)
+        value_C[opens_C] = (self.span_weights[first:stop] * self.per_span[first:stop]).float()
+        return value_C, grad_CV
+
+
+def span_chunks(span_of: torch.Tensor, chunk: int) -> tuple[int, ...]:
+    """Chunk starts that no span straddles: each chunk ends at the last span start within `chunk` tokens
+    of its own start (a span longer than a chunk: at that span's end). `span_of` is non-decreasing."""
+    count = span_of.shape[0]
+    opens = torch.ones(count, dtype=torch.bool)
+    opens[1:] = span_of[1:].cpu() != span_of[:-1].cpu()
+    boundaries = [*opens.nonzero()[:, 0].tolist(), count]
+    starts, at = [], 0
+    while at < count:
+        starts.append(at)
+        end = boundaries[bisect.bisect_right(boundaries, at + chunk) - 1]
+        at = end if end > at else boundaries[bisect.bisect_right(boundaries, at)]
+    return tuple(starts)
+
+
 def span_likelihood_match(
     student_hidden: torch.Tensor,
     student_head: torch.Tensor,
@@ -81,7 +145,8 @@ def span_likelihood_match(
     Args:
         student_hidden: [N, Hs] (requires grad); student_head: [V_local, Hs] this rank's slice.
         targets: [N] the student's next token at each position (global ids).
-        span_of: [N] the span of each position, −1 for none.
+        span_of: [N] the span of each position, −1 for none; a span's positions are consecutive and
+            spans are numbered in position order (as `train.data.loader` numbers them).
         teacher_likelihood: [S] each span's teacher log-likelihood (`teacher_log_probs`, summed).
         span_weights: [S] each span's weight (mask × normaliser).
         chunk_size, tp_group, vocab_start, vocab_size: as `linear_divergence`.
@@ -92,26 +157,26 @@ def span_likelihood_match(
     num_spans = teacher_likelihood.shape[0]
     if span_weights.shape != (num_spans,):
         raise ValueError(f"span_weights has shape {tuple(span_weights.shape)}, expected ({num_spans},)")
-    if span_of.numel() and int(span_of.max()) >= num_spans:
-        raise ValueError(f"a position names span {int(span_of.max())}; there are {num_spans}")
-    common = {
-        "chunk_size": chunk_size,
-        "tp_group": tp_group,
-        "vocab_start": vocab_start,
-        "vocab_size": vocab_size,
-    }
-    in_span = torch.where(span_of >= 0, targets, -100)  # positions of no span contribute nothing
-    with torch.no_grad():
-        nll = linear_cross_entropy(
-            student_hidden, student_head, in_span, weights=torch.ones(targets.shape), **common
-        )
-    gap_S = -span_sums(nll.per_token, span_of, num_spans) - teacher_likelihood.double()
-    per_span = 0.5 * gap_S.square()
-    # d loss / d log q(target_n) = w_s · gap_s for n in span s: the hard-label kernel's value is −log q,
-    # so each token is weighted by −w_s · gap_s. Its loss has that gradient but not the span loss's
-    # value, which is put in its place (value − value.detach() carries the gradient alone).
-    slope_S = (span_weights.double() * gap_S).float()
-    token_weights = torch.where(span_of >= 0, -slope_S[span_of.clamp(min=0)], 0.0)
-    surrogate = linear_cross_entropy(student_hidden, student_head, in_span, weights=token_weights, **common)
-    value = (span_weights.double() * per_span).sum().float()
-    return DivergenceOutput(loss=surrogate.loss - surrogate.loss.detach() + value, per_token=per_span.float())
+    inside = (span_of >= 0).nonzero()[:, 0]
+    span_of = span_of[inside]
+    if span_of.numel() and (int(span_of.max()) >= num_spans or bool((span_of[1:] < span_of[:-1]).any())):
+        raise ValueError(f"spans must be numbered 0 … {num_spans - 1} in position order")
+    device = student_hidden.device
+    local_vocab = student_head.shape[0]
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    objective = _SpanLikelihood(
+        targets[inside].to(device), span_of.to(device), teacher_likelihood, span_weights, int(vocab_start)
+    )
+    out = fused_loss(
+        student_hidden[inside.to(device)],
+        student_head,
+        objective,
+        weights=torch.ones(span_of.shape[0], device=device),
+        temperature=1.0,
+        chunk_size=chunk_size,
+        valid=valid_columns(vocab_start, local_vocab, vocab_size or local_vocab * tp_size, device),
+        tp_group=tp_group,
+        compiled=False,
+        starts=span_chunks(span_of, chunk_size_for(chunk_size, device)),
+    )
+    return DivergenceOutput(loss=out.loss, per_token=objective.per_span.float())
