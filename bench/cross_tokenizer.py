@@ -8,20 +8,46 @@ student of GPT-2's byte-level BPE (openai-whisper's assets; its chat template cl
 tokenises them; then aligned (`mopd.tokens.alignment.align_row`). Reported over the student's trained
 positions: the share aligned with a teacher position (both next tokens start at the same byte), the
 share inside a span of the same bytes on both sides (the span loss's reach), and the share with either.
-No timing: the kernel's cost against the same-tokenizer kernel is `divergence.py --cross-tokenizer`.
+The kernel's cost against the same-tokenizer kernel is `divergence.py --cross-tokenizer`.
 
-    python bench/cross_tokenizer.py
+With `--train`, the whole path: the teacher precomputed into a store for each student, then trained
+runs of `--steps` steps, and each student's held-out next-token NLL over the trained tokens of 48 rows
+of another seed, never trained on (per token, and per byte of their text: the unit that compares
+tokenizers, the teacher's own included):
+
+- **students of one size**: the quickstart's student (SmolLM2-135M's first 4 blocks, its tokenizer) and
+  the same network over GPT-2's vocabulary (its embedding rows transplanted: each GPT-2 token's row is
+  the mean of the rows of the SmolLM2 tokens that spell it). Step time: the median step after 3 of
+  the cross-tokenizer run against the same-tokenizer run's (same data, steps, batch).
+- **with the teacher's signal** (the divergence at aligned positions, with the span loss and without)
+  **and without it** (the hard-label cross-entropy only: the teacher's weight 0, `ce_weight` 1), each
+  over `--seeds` seeds (the student's data order; the students start from the same weights): held-out
+  CE mean ± standard error.
+- **step time at another depth**: the same comparison with students of `--timing-blocks` blocks (30: the
+  whole SmolLM2-135M), where the student's blocks weigh more beside the output layer.
+
+    python bench/cross_tokenizer.py                  # shares only, ~1 min
+    python bench/cross_tokenizer.py --train          # + training, ~40 min on 2 cores
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import statistics
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import yaml
+
+RESULTS = Path(__file__).parent / "results"
 
 
-def main() -> None:
+def shares() -> dict[str, dict[str, Any]]:
+    """The shares of the GPT-2 student's trained positions aligned, in a span, either, by agent."""
     from transformers import AutoTokenizer
 
     from mopd.cli.quickstart_assets import dataset_rows
@@ -60,8 +86,6 @@ def main() -> None:
         }
         for agent, c in by_agent.items()
     }
-    out = Path(__file__).parent / "results" / "cross_tokenizer.json"
-    out.write_text(json.dumps(results, indent=1) + "\n")
     print("GPT-2 student, SmolLM2-135M-Instruct teacher, quickstart rows: shares of trained positions")
     print(f"{'rows':>6} {'positions':>10} {'aligned':>9} {'in a span':>10} {'either':>8}")
     for agent, r in results.items():
@@ -69,7 +93,259 @@ def main() -> None:
             f"{agent:>6} {r['trained_positions']:>10} {r['aligned']:>9.1%} {r['in_a_span']:>10.1%} "
             f"{r['either']:>8.1%}"
         )
+    return results
+
+
+def transplanted_student(source: Path, target: Path) -> Path:
+    """`source` (a SmolLM2 checkpoint) over GPT-2's vocabulary: each GPT-2 token's embedding row is the
+    mean of the rows of the SmolLM2 tokens that spell its bytes (its one special token: SmolLM2's end
+    of text); the output layer stays tied to it."""
+    if (target / "config.json").exists():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mopd.precompute.packaged_models import gpt2_tokenizer
+    from mopd.tokens.pieces import token_table
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    own, gpt2 = AutoTokenizer.from_pretrained(source), AutoTokenizer.from_pretrained(gpt2_tokenizer())
+    embedding = model.get_input_embeddings()
+    assert isinstance(embedding, torch.nn.Embedding)
+    old = embedding.weight.detach()
+    pieces = token_table(gpt2).pieces
+    texts = [(p or b"").decode("utf-8", errors="replace") for p in pieces]
+    spelled = own(texts, add_special_tokens=False)["input_ids"]
+    rows = torch.stack(
+        [
+            old[ids].mean(0) if piece and ids else old[own.eos_token_id]
+            for piece, ids in zip(pieces, spelled, strict=True)
+        ]
+    )
+    model.resize_token_embeddings(len(pieces))
+    resized = model.get_input_embeddings()
+    assert isinstance(resized, torch.nn.Embedding)
+    resized.weight.data.copy_(rows)
+    model.tie_weights()
+    model.config.bos_token_id = model.config.eos_token_id = model.config.pad_token_id = gpt2.eos_token_id
+    model.save_pretrained(target)
+    gpt2.save_pretrained(target)
+    return target
+
+
+def run_config(
+    folder: Path,
+    teacher: Path,
+    student: Path,
+    data: Path,
+    store: Path,
+    kind: str = "forward_kl",
+    **train: Any,
+) -> Path:
+    """One run's config: every agent routed to the teacher; the quickstart's optimiser and batch."""
+    raw = {
+        "teachers": {"math": str(teacher), "code": str(teacher), "chat": str(teacher)},
+        "tokenizer": str(student),
+        "routing": {"field": "agent"},
+        "data": {"path": str(data), "max_length": 160},
+        "store": {"path": str(store), "dtype": "bfloat16"},
+        "precompute": {"batch_tokens": 4096, "rows_per_task": 64},
+        "train": {
+            "student": str(student),
+            "optim": {"lr": 3.0e-3, "warmup_steps": 5},
+            "batch": {"micro_batch_tokens": 2048, "global_batch_tokens": 1024},
+            "divergence": {"kind": kind, "chunk_size": 512},
+            "lm_head_lifecycle": "none",
+            "checkpoint": {"every": 10**6, "keep": 1},
+            "output_dir": str(folder / "run"),
+            **train,
+        },
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def export(checkpoint: Path, folder: Path) -> Path:
+    """The student of a training checkpoint as a transformers folder."""
+    from mopd.train.checkpoint.export import export_hf
+
+    export_hf(checkpoint, folder)
+    return folder
+
+
+def held_out(checkpoint: Path, rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The model's next-token NLL over the trained tokens of `rows` (its own tokenisation): per token,
+    and per byte of the tokens' text (which compares models of different tokenizers)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mopd.precompute.data import tokenize_records
+    from mopd.tokens.pieces import token_table
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    spelled = [len(piece or b"") for piece in token_table(tokenizer).pieces]
+    total, tokens, num_bytes = 0.0, 0, 0
+    for k, row in enumerate(rows):
+        ((ids, mask),) = tokenize_records({"messages": [row["messages"]]}, "messages", tokenizer, [k])
+        ids_t, trained = torch.as_tensor(ids)[None], torch.as_tensor(mask[:-1], dtype=torch.bool)
+        with torch.no_grad():
+            logits = model(input_ids=ids_t).logits[0].double()
+        nll = -logits.log_softmax(-1)[:-1].gather(1, ids_t[0, 1:, None])[:, 0]
+        total += float(nll[trained].sum())
+        tokens += int(trained.sum())
+        num_bytes += sum(spelled[t] for t in ids[1:][mask[:-1].astype(bool)].tolist())
+    return {"nats_per_token": total / tokens, "nats_per_byte": total / num_bytes}
+
+
+# label → (student, train settings): the teacher's signal with the span loss and without, and none.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "same tokenizer, teacher": ("same", {}),
+    "teacher (divergence + span)": ("cross", {"cross_tokenizer": {"span_weight": 1.0}}),
+    "teacher (divergence only)": ("cross", {"cross_tokenizer": {"span_weight": 0.0}}),
+    "cross-entropy only": (
+        "cross",
+        {
+            "teacher_weights": {"math": 0.0, "code": 0.0, "chat": 0.0},
+            "divergence": {"ce_weight": 1.0},
+            "cross_tokenizer": {"span_weight": 0.0},
+        },
+    ),
+}
+TIMED = ("same tokenizer, teacher", "teacher (divergence + span)", "teacher (divergence only)")
+
+
+def students(workdir: Path, blocks: int) -> dict[str, Path]:
+    """The student of SmolLM2's first `blocks` blocks over its own tokenizer ("same") and over GPT-2's
+    ("cross")."""
+    from mopd.cli.quickstart_assets import first_blocks
+    from mopd.precompute.packaged_models import smollm2_checkpoint
+
+    same = first_blocks(smollm2_checkpoint(), blocks, workdir / f"student-smollm2-{blocks}")
+    return {"same": same, "cross": transplanted_student(same, workdir / f"student-gpt2-{blocks}")}
+
+
+def train_variant(
+    workdir: Path, label: str, student: Path, seed: int, steps: int, kind: str
+) -> tuple[Path | None, float, Any]:
+    """One run of a variant: its last checkpoint, its median step time after 3, its aligned shares."""
+    from mopd.config.mopd_config import load_config
+    from mopd.precompute.packaged_models import smollm2_checkpoint
+    from mopd.train.trainer import run_training
+
+    name, extra = VARIANTS[label]
+    folder = workdir / f"{label}-{student.name}-{seed}".replace(" ", "_")
+    settings = {"steps": steps, "seed": seed, **extra}
+    if "divergence" in extra:
+        settings["divergence"] = {"kind": kind, "chunk_size": 512, **extra["divergence"]}
+    store = workdir / f"{name}.zarr"
+    config = run_config(
+        folder, smollm2_checkpoint(), student, workdir / "train.jsonl", store, kind, **settings
+    )
+    result = run_training(load_config(config), log=lambda _line: None)
+    trained = [r for r in result.records if r.get("split", "train") == "train"]
+    step = statistics.median(r["step_seconds"] for r in trained[3:])
+    return result.checkpoint, step, trained[-1].get("aligned_share_by_teacher")
+
+
+def train_runs(steps: int, seeds: int, kind: str, workdir: Path) -> dict[str, Any]:
+    """Precompute both stores, train every variant, measure held-out NLL and step time."""
+    from mopd.cli.quickstart_assets import dataset_rows, write_dataset
+    from mopd.config.mopd_config import load_config
+    from mopd.precompute.packaged_models import smollm2_checkpoint
+    from mopd.precompute.runner import run_precompute
+
+    teacher = smollm2_checkpoint()
+    four = students(workdir, 4)
+    data = write_dataset(workdir / "train.jsonl", 48)
+    rows = dataset_rows(16, seed=7)
+    for name, student in four.items():
+        config = run_config(workdir / f"{name}-pre", teacher, student, data, workdir / f"{name}.zarr")
+        run_precompute(load_config(config), show_progress=False, log=lambda _line: None)
+    out: dict[str, Any] = {
+        "steps": steps,
+        "kind": kind,
+        "start": {name: held_out(student, rows) for name, student in four.items()}
+        | {"teacher": held_out(teacher, rows)},
+    }
+    for label, (name, _) in VARIANTS.items():
+        runs = []
+        for seed in range(1 if name == "same" else seeds):
+            checkpoint, step, shares = train_variant(workdir, label, four[name], seed, steps, kind)
+            assert checkpoint is not None
+            folder = checkpoint.parents[2] / "export"
+            runs.append(
+                {**held_out(export(checkpoint, folder), rows), "step_seconds": step, "aligned": shares}
+            )
+            print(f"{label} seed {seed}: {runs[-1]}", flush=True)
+        out[label] = {
+            "runs": runs,
+            **{k: mean_se([r[k] for r in runs]) for k in ("nats_per_token", "nats_per_byte")},
+        }
+        out[label]["step_seconds"] = statistics.median(r["step_seconds"] for r in runs)
+    return out
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error (0 for one value)."""
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    return statistics.fmean(values), se
+
+
+def timing_runs(blocks: int, steps: int, kind: str, workdir: Path) -> dict[str, float]:
+    """Median step time of each timed variant with students of `blocks` blocks (the stores of
+    `train_runs`: they depend on the students' tokenizers only)."""
+    deep = students(workdir, blocks)
+    times = {}
+    for label in TIMED:
+        times[label] = train_variant(workdir, label, deep[VARIANTS[label][0]], 0, steps, kind)[1]
+        print(f"{blocks} blocks, {label}: {times[label]:.3f} s a step", flush=True)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--train", action="store_true", help="also precompute and train (see above)")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--kind", default="forward_kl", help="the divergence (train.divergence.kind)")
+    parser.add_argument("--timing-blocks", type=int, default=30, help="the deeper students' blocks")
+    parser.add_argument("--timing-steps", type=int, default=12)
+    args = parser.parse_args()
+    results: dict[str, Any] = {"shares": shares()}
+    if args.train:
+        with tempfile.TemporaryDirectory(prefix="mopd-cross-") as workdir:
+            results["training"] = train_runs(args.steps, args.seeds, args.kind, Path(workdir))
+            results["timing"] = {
+                "4": {label: results["training"][label]["step_seconds"] for label in TIMED},
+                str(args.timing_blocks): timing_runs(
+                    args.timing_blocks, args.timing_steps, args.kind, Path(workdir)
+                ),
+            }
+        report(results, args)
+    out = RESULTS / ("cross_tokenizer_train.json" if args.train else "cross_tokenizer.json")
+    out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {out}")
+
+
+def report(results: dict[str, Any], args: argparse.Namespace) -> None:
+    training = results["training"]
+    print(f"held-out NLL after {args.steps} steps of {args.kind}; before training: {training['start']}")
+    for label in VARIANTS:
+        r = training[label]
+        (token, token_se), (byte, byte_se) = r["nats_per_token"], r["nats_per_byte"]
+        print(
+            f"  {label:<30} {token:.4f} ± {token_se:.4f} nats/token, {byte:.4f} ± {byte_se:.4f} nats/byte "
+            f"({len(r['runs'])} seeds)"
+        )
+    for blocks, times in results["timing"].items():
+        same = times["same tokenizer, teacher"]
+        ratios = ", ".join(f"{label} {times[label] / same:.2f}x" for label in TIMED[1:])
+        print(f"step time, {blocks}-block students: same tokenizer {same:.3f} s; {ratios}")
 
 
 if __name__ == "__main__":
