@@ -17,17 +17,18 @@ tokenizers, the teacher's own included):
 
 - **students of one size**: the quickstart's student (SmolLM2-135M's first 4 blocks, its tokenizer) and
   the same network over GPT-2's vocabulary (its embedding rows transplanted: each GPT-2 token's row is
-  the mean of the rows of the SmolLM2 tokens that spell it). Step time: the median step after 3 of
-  the cross-tokenizer run against the same-tokenizer run's (same data, steps, batch).
+  the mean of the rows of the SmolLM2 tokens that spell it).
 - **with the teacher's signal** (the divergence at aligned positions, with the span loss and without)
   **and without it** (the hard-label cross-entropy only: the teacher's weight 0, `ce_weight` 1), each
   over `--seeds` seeds (the student's data order; the students start from the same weights): held-out
   CE mean ± standard error.
-- **step time at another depth**: the same comparison with students of `--timing-blocks` blocks (30: the
-  whole SmolLM2-135M), where the student's blocks weigh more beside the output layer.
+- **step time** (`--timing`): the median step after 3 of each teacher variant and of the same-tokenizer
+  run (same data, steps, batch), best of `--timing-rounds` runs taken in turn, with students of 4
+  blocks (the output layer dominates the step) and 30 (the whole SmolLM2-135M).
 
     python bench/cross_tokenizer.py                  # shares only, ~1 min
-    python bench/cross_tokenizer.py --train          # + training, ~40 min on 2 cores
+    python bench/cross_tokenizer.py --train          # + training and held-out NLL, ~30 min on 2 cores
+    python bench/cross_tokenizer.py --timing         # + step times at 4 and 30 blocks, ~20 min
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -237,6 +239,7 @@ def train_variant(
 
     name, extra = VARIANTS[label]
     folder = workdir / f"{label}-{student.name}-{seed}".replace(" ", "_")
+    shutil.rmtree(folder, ignore_errors=True)  # a fresh run each time (a timing round repeats one)
     settings = {"steps": steps, "seed": seed, **extra}
     if "divergence" in extra:
         settings["divergence"] = {"kind": kind, "chunk_size": 512, **extra["divergence"]}
@@ -250,20 +253,31 @@ def train_variant(
     return result.checkpoint, step, trained[-1].get("aligned_share_by_teacher")
 
 
-def train_runs(steps: int, seeds: int, kind: str, workdir: Path) -> dict[str, Any]:
-    """Precompute both stores, train every variant, measure held-out NLL and step time."""
-    from mopd.cli.quickstart_assets import dataset_rows, write_dataset
+def prepare(workdir: Path) -> dict[str, Path]:
+    """The quickstart's rows, the 4-block students and a store for each (the teacher precomputed)."""
+    from mopd.cli.quickstart_assets import write_dataset
     from mopd.config.mopd_config import load_config
     from mopd.precompute.packaged_models import smollm2_checkpoint
     from mopd.precompute.runner import run_precompute
 
-    teacher = smollm2_checkpoint()
     four = students(workdir, 4)
     data = write_dataset(workdir / "train.jsonl", 48)
-    rows = dataset_rows(16, seed=7)
     for name, student in four.items():
-        config = run_config(workdir / f"{name}-pre", teacher, student, data, workdir / f"{name}.zarr")
+        config = run_config(
+            workdir / f"{name}-pre", smollm2_checkpoint(), student, data, workdir / f"{name}.zarr"
+        )
         run_precompute(load_config(config), show_progress=False, log=lambda _line: None)
+    return four
+
+
+def train_runs(steps: int, seeds: int, kind: str, workdir: Path) -> dict[str, Any]:
+    """Precompute both stores, train every variant, measure held-out NLL and step time."""
+    from mopd.cli.quickstart_assets import dataset_rows
+    from mopd.precompute.packaged_models import smollm2_checkpoint
+
+    teacher = smollm2_checkpoint()
+    four = prepare(workdir)
+    rows = dataset_rows(16, seed=7)
     out: dict[str, Any] = {
         "steps": steps,
         "kind": kind,
@@ -294,15 +308,37 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), se
 
 
-def timing_runs(blocks: int, steps: int, kind: str, workdir: Path) -> dict[str, float]:
-    """Median step time of each timed variant with students of `blocks` blocks (the stores of
-    `train_runs`: they depend on the students' tokenizers only)."""
+def epoch_work(workdir: Path) -> dict[str, dict[str, float]]:
+    """Per store: the steps of an epoch and the rows and trained tokens of a step (the same rows and
+    trained text on both sides; the chat templates differ, so a step of 1,024 tokens holds more or
+    fewer of them)."""
+    from mopd.store.reader import open_store
+    from mopd.train.data.order import epoch_steps
+
+    out = {}
+    for name in ("same", "cross"):
+        store = open_store(workdir / f"{name}.zarr")
+        trained = np.array([int(row.loss_mask.sum()) for row in store.rows(np.arange(store.num_rows))])
+        steps = epoch_steps(store.lengths, seed=0, epoch=0, global_batch_tokens=1024)
+        out[name] = {
+            "steps_per_epoch": len(steps),
+            "rows_per_step": statistics.fmean(len(s) for s in steps),
+            "trained_tokens_per_step": statistics.fmean(int(trained[s].sum()) for s in steps),
+        }
+    return out
+
+
+def timing_runs(blocks: int, steps: int, rounds: int, kind: str, workdir: Path) -> dict[str, float]:
+    """The step time of each timed variant with students of `blocks` blocks: its median step, best of
+    `rounds` runs taken in turn with the others' (the stores of `prepare`: they depend on the students'
+    tokenizers only)."""
     deep = students(workdir, blocks)
-    times = {}
-    for label in TIMED:
-        times[label] = train_variant(workdir, label, deep[VARIANTS[label][0]], 0, steps, kind)[1]
-        print(f"{blocks} blocks, {label}: {times[label]:.3f} s a step", flush=True)
-    return times
+    times: dict[str, list[float]] = {label: [] for label in TIMED}
+    for _ in range(rounds):
+        for label in TIMED:
+            times[label].append(train_variant(workdir, label, deep[VARIANTS[label][0]], 0, steps, kind)[1])
+            print(f"{blocks} blocks, {label}: {times[label][-1]:.3f} s a step", flush=True)
+    return {label: min(values) for label, values in times.items()}
 
 
 def main() -> None:
@@ -313,39 +349,59 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--kind", default="forward_kl", help="the divergence (train.divergence.kind)")
-    parser.add_argument("--timing-blocks", type=int, default=30, help="the deeper students' blocks")
+    parser.add_argument("--timing", action="store_true", help="only the step times (see above)")
+    parser.add_argument("--timing-blocks", type=int, nargs="+", default=[4, 30])
     parser.add_argument("--timing-steps", type=int, default=12)
+    parser.add_argument("--timing-rounds", type=int, default=2)
     args = parser.parse_args()
     results: dict[str, Any] = {"shares": shares()}
-    if args.train:
+    if args.train or args.timing:
         with tempfile.TemporaryDirectory(prefix="mopd-cross-") as workdir:
-            results["training"] = train_runs(args.steps, args.seeds, args.kind, Path(workdir))
+            if args.train:
+                results["training"] = train_runs(args.steps, args.seeds, args.kind, Path(workdir))
+            else:
+                prepare(Path(workdir))
+            results["epoch"] = epoch_work(Path(workdir))
             results["timing"] = {
-                "4": {label: results["training"][label]["step_seconds"] for label in TIMED},
-                str(args.timing_blocks): timing_runs(
-                    args.timing_blocks, args.timing_steps, args.kind, Path(workdir)
-                ),
+                str(blocks): timing_runs(
+                    blocks, args.timing_steps, args.timing_rounds, args.kind, Path(workdir)
+                )
+                for blocks in (args.timing_blocks if args.timing else ())
             }
         report(results, args)
-    out = RESULTS / ("cross_tokenizer_train.json" if args.train else "cross_tokenizer.json")
+    name = (
+        "cross_tokenizer_train"
+        if args.train
+        else "cross_tokenizer_timing"
+        if args.timing
+        else "cross_tokenizer"
+    )
+    out = RESULTS / f"{name}.json"
     out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {out}")
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
-    training = results["training"]
-    print(f"held-out NLL after {args.steps} steps of {args.kind}; before training: {training['start']}")
-    for label in VARIANTS:
+    training = results.get("training", {})
+    if training:
+        print(f"held-out NLL after {args.steps} steps of {args.kind}; before training: {training['start']}")
+    for label in VARIANTS if training else ():
         r = training[label]
         (token, token_se), (byte, byte_se) = r["nats_per_token"], r["nats_per_byte"]
         print(
             f"  {label:<30} {token:.4f} ± {token_se:.4f} nats/token, {byte:.4f} ± {byte_se:.4f} nats/byte "
             f"({len(r['runs'])} seeds)"
         )
+    steps = {name: work["steps_per_epoch"] for name, work in results["epoch"].items()}
+    print(f"an epoch of the same rows: {steps['same']} steps (same tokenizer), {steps['cross']} (GPT-2)")
     for blocks, times in results["timing"].items():
         same = times["same tokenizer, teacher"]
-        ratios = ", ".join(f"{label} {times[label] / same:.2f}x" for label in TIMED[1:])
-        print(f"step time, {blocks}-block students: same tokenizer {same:.3f} s; {ratios}")
+        ratios = ", ".join(
+            f"{label} {times[label] / same:.2f}x a step, "
+            f"{times[label] * steps['cross'] / (same * steps['same']):.2f}x an epoch"
+            for label in TIMED[1:]
+        )
+        print(f"{blocks}-block students: same tokenizer {same:.3f} s a step; {ratios}")
 
 
 if __name__ == "__main__":
