@@ -23,7 +23,7 @@ from mopd.base.devices import check_device, rank_device
 from mopd.base.errors import ConfigError
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.train import TrainConfig
-from mopd.store.format.manifest import Manifest, aligned_shares
+from mopd.store.format.manifest import aligned_shares
 from mopd.store.format.teachers import TeacherIdentity
 from mopd.store.reader import TeacherStore, open_store
 from mopd.tokens.alignment import shares_line
@@ -145,12 +145,17 @@ class Session:
         return EvalRecord(split="eval", step=step, **stats.divergences())
 
 
-def _cross_tokenizer_lines(manifest: Manifest, span_weight: float) -> list[str]:
-    """One line per teacher of another tokenizer: the shares of its trained positions it supervises, and
-    whether the span loss trains the positions inside spans."""
+def _store_lines(store: TeacherStore, span_weight: float) -> list[str]:
+    """What the run trains on: the store's size, and one line per teacher of another tokenizer with the
+    shares of its trained positions it supervises and whether the span loss trains those inside spans."""
+    manifest = store.manifest
     names = {t.index: "+".join(t.aliases) for t in manifest.teachers}
     spans = f"; span loss weight {span_weight:g}" if span_weight > 0 else "; span loss off"
-    return [shares_line(names[t], *shares) + spans for t, shares in aligned_shares(manifest).items()]
+    return [
+        f"store {store.root}: {store.num_rows:,} rows, {manifest.dataset.num_tokens:,} tokens, "
+        f"{len(manifest.teachers)} teachers",
+        *(shares_line(names[t], *shares) + spans for t, shares in aligned_shares(manifest).items()),
+    ]
 
 
 def open_session(config: MopdConfig, *, store_path: str | Path | None = None, log: Log = print) -> Session:
@@ -175,11 +180,7 @@ def open_session(config: MopdConfig, *, store_path: str | Path | None = None, lo
         torch.manual_seed(tc.seed)
         store = open_store(store_path or config.store.path, config.store.options)
         manifest = store.manifest
-        log(
-            f"store {store.root}: {store.num_rows:,} rows, {manifest.dataset.num_tokens:,} tokens, "
-            f"{len(manifest.teachers)} teachers"
-        )
-        for line in _cross_tokenizer_lines(manifest, tc.cross_tokenizer.span_weight):
+        for line in _store_lines(store, tc.cross_tokenizer.span_weight):
             log(line)
         log(f"loading student {tc.student} ({tc.backend}, {tc.dtype}) on {device}")
         student = entry.open_student(tc, device, world, exits)
