@@ -282,15 +282,20 @@ def test_a_projection_file_replaces_the_stores_and_a_resume_holds_to_it(
     Projection(source, target, weight, **sizes).save(first)
     shifted = (target + 1) % sizes["student_vocab"]  # another valid projection
     Projection(source, shifted, weight, **sizes).save(second)
-    checkpoint = {"every": 2, "keep": 2}
-    config = train_config(
-        cross_store,
-        tmp_path,
-        cross_store["same"],
-        cross_tokenizer={"projection": {"chat": str(first)}},
-        checkpoint=checkpoint,
-        steps=2,
-    )
+
+    def with_projection(path: Path, steps: int) -> Path:
+        projection = {"projection": {"chat": str(path)}}
+        checkpoint = {"every": 2, "keep": 2}
+        return train_config(
+            cross_store,
+            tmp_path,
+            cross_store["same"],
+            cross_tokenizer=projection,
+            checkpoint=checkpoint,
+            steps=steps,
+        )
+
+    config = with_projection(first, steps=2)
     run_training(load_config(config), log=lambda _: None)
     with Trainer(load_config(config), log=lambda _: None) as trainer:
         assert trainer.session.projection_fingerprints == {
@@ -300,14 +305,7 @@ def test_a_projection_file_replaces_the_stores_and_a_resume_holds_to_it(
     assert state["run"][PROJECTIONS] == {
         str(other.index): Projection(source, target, weight, **sizes).fingerprint
     }
-    again = train_config(
-        cross_store,
-        tmp_path,
-        cross_store["same"],
-        cross_tokenizer={"projection": {"chat": str(second)}},
-        checkpoint=checkpoint,
-        steps=3,
-    )
+    again = with_projection(second, steps=3)
     with pytest.raises(CheckpointError, match=f"{PROJECTIONS}: .* in the checkpoint, .* now"):
         run_training(load_config(again), log=lambda _: None)
     wrong = train_config(
