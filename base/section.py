@@ -59,12 +59,22 @@ class Section(BaseModel):
         annotation = cls.model_fields[info.field_name or ""].annotation
         _check_bool(value, _takes_bool(annotation))
         if isinstance(value, str) and _takes(annotation, (int, float)) and not _takes(annotation, (str,)):
-            raise ValueError(f"{value!r} is text, not a number (write it without quotes)")
+            fix = "write it without quotes" if _numeric(value) else "write a number, e.g. 5000 or 3e-4"
+            raise ValueError(f"{value!r} is text, not a number ({fix})")
         inner = _value_type(annotation)
         if inner is not None and isinstance(value, dict):
             for key, item in value.items():
                 _check_bool(item, _takes_bool(inner), str(key))
         return value
+
+
+def _numeric(text: str) -> bool:
+    """Whether YAML would have read `text` as a number had it not been quoted."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_bool(value: Any, wants_bool: bool, key: str = "") -> None:

@@ -8,18 +8,19 @@ working directory.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from mopd.base.errors import ConfigError
 from mopd.base.fsio import object_url, store_location
-from mopd.base.jsonio import check_unicode, decode_text, describe_location
+from mopd.base.jsonio import check_unicode, decode_text
 from mopd.base.section import NonEmpty, Section
-from mopd.config.overrides import apply_overrides
+from mopd.config.explain import explain
+from mopd.config.overrides import apply_overrides, parse_override
 from mopd.config.precompute import DataConfig, PrecomputeConfig, RoutingConfig
 from mopd.config.rollout import RolloutConfig, RoundsConfig
 from mopd.config.store import StoreConfig
@@ -36,6 +37,24 @@ class MopdConfig(Section):
     train: TrainConfig | None = None
     rollout: RolloutConfig | None = None
     rounds: RoundsConfig | None = None
+    # The folder relative paths were resolved against (`parse_config`'s base_dir): where a checkpoint
+    # kept as an identifier would be, were it a folder.
+    _folder: str = PrivateAttr(default=".")
+    _source: str = PrivateAttr(default="the config")  # the file it was read from, to name in errors
+
+    def __eq__(self, other: object) -> bool:
+        """Equal settings are equal configs, wherever each was read from."""
+        if not isinstance(other, MopdConfig):
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in type(self).model_fields)
+
+    @property
+    def folder(self) -> str:
+        return self._folder
+
+    @property
+    def source(self) -> str:
+        return self._source
 
     @model_validator(mode="after")
     def _aliases_exist(self) -> MopdConfig:
@@ -150,15 +169,6 @@ def parse_yaml(data: bytes, *, source: str = "config") -> Any:
     return value
 
 
-def _format_validation_error(err: ValidationError) -> str:
-    lines = []
-    for item in err.errors():
-        key = describe_location(item["loc"])
-        message = " ".join(item["msg"].removeprefix("Value error, ").split())
-        lines.append(f"`{key}`: {message}" if item["loc"] else message)
-    return "; ".join(lines)
-
-
 def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     def as_path(value: str) -> str:
         if not value:
@@ -222,8 +232,11 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     return out
 
 
-def parse_config(raw: Any, *, base_dir: str | Path, source: str = "config") -> MopdConfig:
-    """Validates a parsed YAML document; relative paths resolve against `base_dir`.
+def parse_config(
+    raw: Any, *, base_dir: str | Path, source: str = "config", overrides: Mapping[str, str] | None = None
+) -> MopdConfig:
+    """Validates a parsed YAML document; relative paths resolve against `base_dir`. `overrides` (dotted
+    key → the `key=value` typed) name the command line, not `source`, as the origin of their errors.
 
     Raises:
         ConfigError: naming every offending key.
@@ -231,9 +244,11 @@ def parse_config(raw: Any, *, base_dir: str | Path, source: str = "config") -> M
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level, found {type(raw).__name__}")
     try:
-        return MopdConfig.model_validate(_resolve_paths(raw, Path(base_dir)))
+        config = MopdConfig.model_validate(_resolve_paths(raw, Path(base_dir)))
     except ValidationError as err:
-        raise ConfigError(f"{source}: {_format_validation_error(err)}") from err
+        raise ConfigError(explain(err, MopdConfig, source=source, overrides=overrides or {})) from err
+    config._folder, config._source = str(Path(base_dir).resolve()), source
+    return config
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> MopdConfig:
@@ -246,7 +261,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> MopdConfig:
     """
     path = Path(path)
     raw = apply_overrides(load_yaml(path), overrides)
-    return parse_config(raw, base_dir=path.resolve().parent, source=str(path))
+    typed = {".".join(parse_override(text)[0]): text for text in overrides}
+    return parse_config(raw, base_dir=path.resolve().parent, source=str(path), overrides=typed)
 
 
 EFFECTIVE_CONFIG_FILE = "config.yaml"  # in a run folder: the config the run last started with

@@ -120,6 +120,12 @@ class TrainConfig(Section):
     # packages come with `pip install 'mopd[tracking]'`.
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
 
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_tracker_is_a_list(cls, value: Any) -> Any:
+        """`report_to: tensorboard` (and `train.report_to=tensorboard` typed) is the list of that one."""
+        return [value] if isinstance(value, str) else value
+
     @field_validator("parallel")
     @classmethod
     def _hf_is_data_parallel_only(

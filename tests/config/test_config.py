@@ -55,9 +55,18 @@ def test_duplicate_key_is_an_error(tmp_path: Path) -> None:
         load_config(write(tmp_path, text))
 
 
-def test_unknown_key_is_named(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"`store.dtpye`: Extra inputs are not permitted"):
-        load_config(write(tmp_path, BASE + "store: {dtpye: float32}\n"))
+def test_unknown_key_is_named_with_the_closest_one(tmp_path: Path) -> None:
+    """An unknown key names its section and the closest key of it (difflib's, from the section's own
+    fields); with none close, the section's keys and where they are documented."""
+    path = write(tmp_path, BASE + "store: {dtpye: float32}\n")
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+    assert str(raised.value) == f"{path}: store has no key dtpye; did you mean store.dtype?"
+    with pytest.raises(ConfigError) as raised:
+        load_config(write(tmp_path, BASE + "store: {zzz: 1}\n"))
+    assert str(raised.value).endswith(
+        "store has no key zzz (its keys: path, options, dtype, codec, encoding; all are in docs/config.md)"
+    )
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,8 @@ from mopd.store.format.loading import load_plan
 from mopd.train.checkpoint.run_record import RESUMABLE, diff_run_records, run_record
 from mopd.train.checkpoint.state import complete_checkpoints
 from mopd.train.report.metrics import METRICS_FILE, read_metrics
-from mopd.train.trainer import Trainer, lr_factor, run_training
+from mopd.train.schedule import lr_factor
+from mopd.train.trainer import Trainer, run_training
 from tests.train.world import World, world_config
 
 BASE = dict(steps=4, checkpoint={"every": 1, "keep": 4}, eval={"rows": 4, "every": 0})
