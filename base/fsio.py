@@ -85,11 +85,36 @@ def _write_durably(path: Path, data: bytes) -> None:
 
 
 def fsync_tree(root: Path) -> None:
-    """fsyncs every file, then every folder bottom-up, then the root itself."""
+    """fsyncs every file, then every folder bottom-up, then the root itself; each file is first given
+    the mode the umask gives (`follow_umask`)."""
     for folder, _dirs, files in os.walk(root, topdown=False):
         for name in files:
+            follow_umask(Path(folder) / name)
             fsync_path(Path(folder) / name)
         fsync_path(Path(folder))
+
+
+# The mode of a private temporary file (`mkstemp`'s), which safetensors' writer leaves its files with.
+_PRIVATE = 0o600
+
+
+def follow_umask(path: Path) -> None:
+    """Gives a file left private by the library that wrote it (0600) the mode any other new file gets
+    under the process's umask (0644 under 022), so that a teammate or a serving job can read what mopd
+    wrote. Any other mode is left as it is."""
+    if (os.stat(path).st_mode & 0o777) == _PRIVATE:
+        os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (/proc); elsewhere set and reset."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"^Umask:\s*([0-7]+)", status, re.MULTILINE).group(1), 8)  # type: ignore[union-attr]
+    except (OSError, AttributeError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 def unique_temp_name(final: Path) -> Path:
@@ -167,6 +192,7 @@ def write_replace_with(path: Path, write: Callable[[Path], object]) -> None:
     temp = unique_temp_name(path)
     try:
         write(temp)
+        follow_umask(temp)
         fsync_path(temp)
         with faults.io("rename", path):
             os.replace(temp, path)

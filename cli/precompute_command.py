@@ -11,6 +11,7 @@ from mopd.cli.arguments import STORE, config_argument
 from mopd.cli.console import plain_log, stderr_console
 from mopd.cli.store_commands import format_size
 from mopd.config.mopd_config import load_config
+from mopd.config.paths import PRECOMPUTE, check_paths
 
 
 @click.command("precompute")
@@ -41,6 +42,7 @@ def precompute_command(
     if not (split[0] >= 1 and 0 <= split[1] < split[0]):
         raise click.UsageError(f"--task-index must be in [0, {split[0]}) and --num-tasks at least 1")
     config = load_config(config_path, overrides)
+    check_paths(config, PRECOMPUTE)
     console = stderr_console()
     result = run_precompute(
         config,

@@ -9,6 +9,7 @@ import click
 from mopd.cli.arguments import config_argument
 from mopd.cli.console import plain_log, stderr_console
 from mopd.config.mopd_config import load_config
+from mopd.config.paths import ROLLOUT, ROUNDS, check_paths
 
 
 @click.command("rollout")
@@ -43,6 +44,7 @@ def rollout_command(
     from mopd.rollout.runner import run_rollout  # torch and transformers: not for `mopd --help`
 
     config = load_config(config_path, overrides)
+    check_paths(config, [key for key in ROLLOUT if student is None or key != "train.student"])
     console = stderr_console()
     result = run_rollout(
         config,
@@ -71,6 +73,7 @@ def rounds_command(config_path: Path, overrides: tuple[str, ...]) -> None:
     from mopd.rollout.rounds import run_rounds
 
     config = load_config(config_path, overrides)
+    check_paths(config, ROUNDS)
     console = stderr_console()
     run = run_rounds(config, log=plain_log(console))
     console.print(f"rounds done; last run {run}")

@@ -16,6 +16,7 @@ from rich.table import Table
 from mopd.base.errors import MopdError
 from mopd.cli.arguments import STORE
 from mopd.config.mopd_config import MopdConfig, load_config
+from mopd.config.paths import teachers_as_found
 from mopd.store.format.loading import read_manifest
 from mopd.store.locations.location import open_location
 from mopd.store.summary import StoreSummary, summarise_store
@@ -49,7 +50,7 @@ def verify_manifest_command(
     problems, warnings = verify_store(
         store,
         options=config.store.options if config else None,
-        teachers=config.teachers if config else None,
+        teachers=teachers_as_found(config, _recorded(store, config)) if config else None,
         routing=config.routing.model_dump(mode="json") if config else None,
         encoding=config.store.encoding if config else None,
         full=full,
@@ -69,6 +70,15 @@ def verify_manifest_command(
         mode = "every byte hashed" if full else "sizes and shapes; --full hashes every byte"
         click.echo(f"ok: {store} is complete and consistent ({mode})")
     sys.exit(1 if problems else 0)
+
+
+def _recorded(store: str, config: MopdConfig) -> set[str]:
+    """The teacher checkpoints the store's manifest names (none where it cannot be read: that problem is
+    the store's, reported by the verification)."""
+    try:
+        return {t.checkpoint for t in read_manifest(open_location(store, config.store.options)).teachers}
+    except MopdError:
+        return set()
 
 
 def _with_tokenizers(problems: list[str], config: MopdConfig, store: str) -> list[str]:
@@ -107,7 +117,7 @@ def format_size(num_bytes: float) -> str:
 @click.argument("store", type=STORE)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 def inspect_command(store: str, as_json: bool) -> None:
-    """Show the teachers, rows, tokens and bytes of STORE (in 100 columns; --json for scripts)."""
+    """Show the teachers, rows, tokens and bytes of STORE (in 80 columns; --json for scripts)."""
     summary = summarise_store(store)
     if as_json:
         click.echo(
@@ -122,20 +132,20 @@ def inspect_command(store: str, as_json: bool) -> None:
             )
         )
         return
-    console = Console()  # lines wrap at the terminal's width; a long path folds, nothing is cut
-    title = f"{summary.path}  (format v{summary.format_version}, {summary.created_by})"
-    console.print(title, markup=False, overflow="fold")
+    # Fits 80 columns (a pipe, a default terminal): the table and each value's line do; a path longer
+    # than that folds, a sentence wraps between words.
+    console = Console()
+    console.print(f"{summary.path}", markup=False, overflow="fold")
+    console.print(f"format v{summary.format_version}, written by {summary.created_by}")
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("#", justify="right")
-    table.add_column("aliases", overflow="fold", max_width=24)
-    for column in ("hidden", "vocab rows", "rows", "tokens", "stored", "B/token", "as fp32 logits"):
-        table.add_column(column, justify="right")
+    table.add_column("aliases", overflow="fold", max_width=20)
+    for column in ("rows", "tokens", "on disk", "B/token", "as fp32 logits"):
+        table.add_column(column, justify="right", no_wrap=True)
     for t in summary.teachers:
         table.add_row(
             str(t.index),
             ", ".join(t.aliases),
-            str(t.hidden_size),
-            str(t.vocab_size),
             f"{t.rows:,}",
             f"{t.tokens:,}",
             format_size(t.stored_bytes),
@@ -146,21 +156,28 @@ def inspect_command(store: str, as_json: bool) -> None:
     for line in _teacher_notes(summary):
         console.print(line, markup=False, overflow="fold")
     console.print(
-        f"vocab rows: each teacher's output layer; the tokenizer has {summary.vocab_size} tokens, over "
-        "which training distils (rows past them are padding and take no part)"
+        f"the tokenizer has {summary.vocab_size:,} tokens, over which training distils (output rows past "
+        "them are padding)"
     )
+    console.print(f"{summary.rows:,} rows, {summary.tokens:,} tokens")
+    console.print(f"hidden states {summary.hidden_dtype} ({summary.encoding}), codec {summary.codec}")
     console.print(
-        f"{summary.rows} rows, {summary.tokens} tokens; hidden states {summary.hidden_dtype} "
-        f"({summary.encoding}), codec "
-        f"{summary.codec}: {format_size(summary.stored_bytes)} on disk, compression ratio "
-        f"{summary.compression_ratio:.3f}"
+        f"{format_size(summary.stored_bytes)} on disk, compression ratio {summary.compression_ratio:.3f}"
     )
 
 
 def _teacher_notes(summary: StoreSummary) -> list[str]:
     """The lines below the table: each teacher's checkpoint, its tokenizer's shares when it is another
     tokenizer than the store's, and an int8-rotated store's encoding cost."""
-    lines = [f"{t.index}: {t.checkpoint} (fingerprint {t.fingerprint[:12]})" for t in summary.teachers]
+    lines = [
+        line
+        for t in summary.teachers
+        for line in (
+            f"{t.index}: {t.checkpoint}",
+            f"{' ' * len(str(t.index))}  fingerprint {t.fingerprint[:12]}, hidden {t.hidden_size}, output "
+            f"rows {t.vocab_size:,}",
+        )
+    ]
     for t in summary.teachers:
         if t.tokenizer is not None and t.aligned_share is not None and t.signal_share is not None:
             lines.append(

@@ -40,11 +40,13 @@ def train_command(
 ) -> None:
     """Distil the student from the teacher store.
 
-    Single process: `mopd train CONFIG`. Data parallel (hf backend) or tensor × pipeline × data parallel
-    (train.backend megatron, train.parallel tp/pp): `torchrun --nproc-per-node N -m mopd.cli train CONFIG`
-    (gloo on CPU, NCCL on GPU). Writes OUTPUT/metrics.jsonl, OUTPUT/metrics.png and
-    OUTPUT/checkpoints/step_NNNNNNNN/ (the student under model/: a transformers checkpoint; on the fsdp
-    and megatron backends its config, and every rank's shards under state/ — see `mopd export-hf`).
+    Single process: `mopd train CONFIG`. Several: `torchrun --nproc-per-node N -m mopd.cli train CONFIG`
+    (gloo on CPU, NCCL on GPU) with train.backend hf (data parallel, a whole student per rank), fsdp (the
+    student and its AdamW state sharded over the ranks; train.parallel.dp_replicate for HSDP) or megatron
+    (tensor × pipeline × data parallel: train.parallel.tp, train.parallel.pp). Writes OUTPUT/metrics.jsonl,
+    OUTPUT/metrics.png and OUTPUT/checkpoints/step_NNNNNNNN/ (the student under model/: a transformers
+    checkpoint; on the fsdp and megatron backends its config, and every rank's shards under state/ — see
+    `mopd export-hf`).
     """
     from mopd.train.checkpoint.export import (
         export_hf,  # torch and transformers: imported for this command only
@@ -63,14 +65,14 @@ def train_command(
         assert config.train is not None  # run_training refuses a config without it
         folder = Path(output or config.train.output_dir)
         latest = latest_checkpoint(folder)
-        kept = f"its last complete checkpoint is {latest}" if latest else "no checkpoint was written yet"
         console.print(
-            f"\ninterrupted: {kept}; the same command resumes from it (--no-resume refuses to)"
+            f"\ninterrupted: the last complete checkpoint is {latest}; the same command resumes from it, "
+            f"or to start over give the run another folder (--output DIR) or remove {folder}"
             if latest
-            else f"\ninterrupted: {kept}; the same command starts the run again"
+            else "\ninterrupted before the first checkpoint; the same command starts the run again"
         )
         sys.exit(130)
-    if result.checkpoint is not None:
+    if result.checkpoint is not None and result.reports:  # run-level lines: rank 0's
         console.print(
             f"trained steps {result.first_step}..{result.last_step}; checkpoint {result.checkpoint}"
         )

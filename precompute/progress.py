@@ -28,7 +28,7 @@ class TokenProgress:
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
-            TextColumn("{task.fields[rows]}/{task.fields[total_rows]} rows"),
+            TextColumn("job: {task.fields[rows]}/{task.fields[total_rows]} rows"),
             TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
             TextColumn("{task.fields[rate]:,.0f} tok/s"),
             TimeRemainingColumn(),
@@ -39,11 +39,14 @@ class TokenProgress:
         self._lines = enabled and not self._progress.console.is_terminal
         self._total_tokens = total_tokens
         self._logged = self._start
+        self._description = "precompute"
         self._task = self._progress.add_task(
-            "precompute", total=max(1, total_tokens), rows=0, total_rows=total_rows, rate=0.0
+            self._description, total=max(1, total_tokens), rows=0, total_rows=total_rows, rate=0.0
         )
 
     def describe(self, text: str) -> None:
+        """What runs now (a teacher); the counts stay the job's, over every teacher."""
+        self._description = text
         self._progress.update(self._task, description=text)
 
     def advance(self, *, rows: int, tokens: int) -> None:
@@ -59,8 +62,8 @@ class TokenProgress:
     def _log_line(self, rate: float) -> None:
         left = max(0, self._total_tokens - self.tokens) / max(rate, 1e-9)
         sys.stderr.write(
-            f"precompute: {self.rows:,}/{self.total_rows:,} rows, {self.tokens:,}/{self._total_tokens:,} "
-            f"tokens, {rate:,.0f} tok/s, {left / 60:.1f} min left\n"
+            f"precompute, {self._description}; job: {self.rows:,}/{self.total_rows:,} rows, "
+            f"{self.tokens:,}/{self._total_tokens:,} tokens, {rate:,.0f} tok/s, {left / 60:.1f} min left\n"
         )
         sys.stderr.flush()
 

@@ -276,14 +276,14 @@ def run_tasks(
             output.rows(task, rows)
         for task in (t for t in todo if isinstance(t, ProjectionTask)):  # tokenizers only, no forward
             output.projection(task, teacher_projection(teachers, task.teacher, settings.trust_remote_code))
-        for slot in teachers.slots:
+        for number, slot in enumerate(teachers.slots, start=1):
             mine = [
                 t
                 for t in todo
                 if isinstance(t, HeadTask | ShardTask | EncodingTask) and t.teacher == slot.index
             ]
             if mine:
-                progress.describe(f"teacher {'+'.join(slot.aliases)}")
+                progress.describe(f"teacher {number}/{len(teachers.slots)} ({'+'.join(slot.aliases)})")
                 own = slot.index in teachers.cross  # a teacher of another tokenizer reads its own rows
                 length = int(rows.token_rows(own)[1].max())
                 teacher = load_teacher(

@@ -34,10 +34,7 @@ from mopd.store.format.manifest import (
     artifact_hash,
     parse_part,
 )
-from mopd.store.format.teachers import (
-    TeacherSlot,
-    assign_teacher_indices,
-)
+from mopd.store.format.teachers import TeacherSlot, assign_teacher_indices, normalise_checkpoint
 from mopd.store.locations.location import Location, open_location
 from mopd.store.temporaries import describe as describe_temporary
 from mopd.store.temporaries import temporaries
@@ -232,6 +229,22 @@ def _config_fingerprints(teachers: Mapping[str, str]) -> tuple[dict[str, str | N
     return found, warnings
 
 
+def missing_teachers(manifest: Manifest, teachers: Mapping[str, str]) -> list[str]:
+    """A line for each configured teacher checkpoint (alias → checkpoint) that is not there and is not
+    one the store records (which may be absent where training runs): a wrong path, not a different
+    teacher; the line names the checkpoint the store has under that alias."""
+    recorded = {t.checkpoint for t in manifest.teachers}
+    problems = []
+    for alias, checkpoint in teachers.items():
+        path = normalise_checkpoint(checkpoint)
+        if path in recorded or Path(path).is_dir():
+            continue
+        stored = next((t for t in manifest.teachers if alias in t.aliases), None)
+        instead = f" (the store's teacher {stored.index} is {stored.checkpoint})" if stored else ""
+        problems.append(f"teachers.{alias}: checkpoint {path} does not exist{instead}; correct the path")
+    return problems
+
+
 def check_config(manifest: Manifest, teachers: Mapping[str, str]) -> tuple[list[str], list[str]]:
     """The config's teachers (alias → checkpoint) are the store's: the same bytes at the same index, and
     every alias both name points at the same teacher (renaming aliases is fine; swapping two is not).
@@ -239,6 +252,9 @@ def check_config(manifest: Manifest, teachers: Mapping[str, str]) -> tuple[list[
     Returns:
         (problems, warnings).
     """
+    missing = missing_teachers(manifest, teachers)
+    if missing:  # the numbering of the rest follows from a path that is wrong: it says nothing more
+        return missing, []
     fingerprints, warnings = _config_fingerprints(teachers)
     slots = assign_teacher_indices(teachers)
     stored = {t.index: t for t in manifest.teachers}
@@ -276,6 +292,13 @@ def check_config(manifest: Manifest, teachers: Mapping[str, str]) -> tuple[list[
                 f"teacher {teacher.index} ({teacher.checkpoint}; aliases {', '.join(teacher.aliases)}) is in "
                 "the store but dropped from the config"
             )
+    return problems + _moved_aliases(manifest, slots, match), warnings
+
+
+def _moved_aliases(manifest: Manifest, slots: list[TeacherSlot], match: dict[int, int | None]) -> list[str]:
+    """An alias that names one teacher in the store and another in the config (`match`: each config
+    teacher's index in the store)."""
+    problems = []
     for slot in slots:
         for alias in slot.aliases:
             teacher = next((t for t in manifest.teachers if alias in t.aliases), None)
@@ -284,7 +307,7 @@ def check_config(manifest: Manifest, teachers: Mapping[str, str]) -> tuple[list[
                     f"alias {alias} names teacher {teacher.index} ({teacher.checkpoint}) in the store, but "
                     f"{slot.checkpoint} (the store's teacher {match[slot.index]}) in the config"
                 )
-    return problems, warnings
+    return problems
 
 
 def check_routing(manifest: Manifest, routing: Mapping[str, Any], teachers: Mapping[str, str]) -> list[str]:
@@ -361,7 +384,7 @@ def verify_store(
         found, config_warnings = check_config(manifest, teachers)
         problems += found
         warnings += config_warnings
-        if routing is not None:
+        if routing is not None and not missing_teachers(manifest, teachers):  # else numbered wrongly
             problems += check_routing(manifest, routing, teachers)
     if encoding is not None and encoding != manifest.storage.encoding:
         problems.append(

@@ -20,8 +20,10 @@ import numpy as np
 import torch
 
 from mopd.base.devices import check_device, rank_device
-from mopd.base.errors import ConfigError
+from mopd.base.errors import ConfigError, ManifestError
+from mopd.base.fsio import object_url
 from mopd.config.mopd_config import MopdConfig
+from mopd.config.paths import TRAIN, check_paths
 from mopd.config.train import TrainConfig
 from mopd.store.format.manifest import aligned_shares
 from mopd.store.format.teachers import TeacherIdentity
@@ -158,6 +160,40 @@ def _store_lines(store: TeacherStore, span_weight: float) -> list[str]:
     ]
 
 
+def setup_line(tc: TrainConfig, world_size: int) -> str:
+    """The settings that decide how the student trains, as they take effect: backend and its layout,
+    processes, weights and compute precision, activation checkpointing."""
+    parallel = tc.parallel
+    model_parallel = parallel.tp * parallel.pp
+    layout = {
+        "megatron": f" (tp {parallel.tp} × pp {parallel.pp} × dp {world_size // model_parallel})",
+        "fsdp": f" ({parallel.dp_replicate} replicas of {world_size // parallel.dp_replicate} shards)"
+        if parallel.dp_replicate > 1
+        else f" (sharded over {world_size})",
+        "hf": f" (data parallel over {world_size})" if world_size > 1 else "",
+    }[tc.backend]
+    compute = "bf16 autocast over fp32 weights" if tc.mixed_precision == "bf16" else f"{tc.dtype} throughout"
+    checkpointing = "on" if tc.activation_checkpointing else "off"
+    processes = f"{world_size} process{'es' if world_size > 1 else ''}"
+    return f"backend {tc.backend}{layout}, {processes}, {compute}, activation checkpointing {checkpointing}"
+
+
+def _open_store(config: MopdConfig, store_path: str | Path | None) -> TeacherStore:
+    """The store, and every path the run reads, checked at once before the student loads (a teacher the
+    store records may be absent: its head is in the store); a refusal names the setting."""
+    key, path = ("--store", str(store_path)) if store_path else ("store.path", config.store.path)
+    store: TeacherStore | None = None
+    try:
+        store = open_store(path, config.store.options)
+    except ManifestError as err:
+        if object_url(path) or Path(path).exists():
+            raise ManifestError(f"{key}: {err}") from err
+    recorded = {t.checkpoint for t in store.manifest.teachers} if store is not None else set()
+    check_paths(config, TRAIN, recorded=recorded, also=[] if store is not None else [(key, path)])
+    assert store is not None, "check_paths refuses a store that is not there"
+    return store
+
+
 def open_session(config: MopdConfig, *, store_path: str | Path | None = None, log: Log = print) -> Session:
     """Builds the session of `config`'s `train` section over its store (or `store_path`).
 
@@ -178,11 +214,11 @@ def open_session(config: MopdConfig, *, store_path: str | Path | None = None, lo
         # comes from it, and a checkpoint saves and restores it (`checkpoint.state`), so the process's
         # generator is the run's. The data order has its own (`data.order`).
         torch.manual_seed(tc.seed)
-        store = open_store(store_path or config.store.path, config.store.options)
+        store = _open_store(config, store_path)
         manifest = store.manifest
         for line in _store_lines(store, tc.cross_tokenizer.span_weight):
             log(line)
-        log(f"loading student {tc.student} ({tc.backend}, {tc.dtype}) on {device}")
+        log(f"loading student {tc.student} on {device}: {setup_line(tc, world.size)}")
         student = entry.open_student(tc, device, world, exits)
         exits.callback(student.close)
         student.check_compatible(manifest)

@@ -13,10 +13,11 @@ from pathlib import Path
 
 from mopd.base.errors import ConfigError
 from mopd.config.mopd_config import MopdConfig
+from mopd.config.paths import teachers_as_found
 from mopd.store.format.manifest import Manifest
 from mopd.store.format.provenance import recorded_source, same_source
 from mopd.store.locations.location import Location
-from mopd.store.verify import check_config, check_routing
+from mopd.store.verify import check_config, check_routing, missing_teachers
 from mopd.tokens.pieces import swapped_tokenizer
 from mopd.train.backends.groups import RankGroup
 from mopd.train.backends.hf import STUDENT_TOKENIZER_FIX
@@ -25,7 +26,10 @@ from mopd.train.backends.hf import STUDENT_TOKENIZER_FIX
 def store_differences(config: MopdConfig, manifest: Manifest) -> tuple[list[str], list[str]]:
     """(problems, warnings) of the config's teachers, aliases, tokenizers and routing against the
     store's, one line each; the teachers' checkpoints are fingerprinted where they are reachable."""
-    problems, warnings = check_config(manifest, config.teachers)
+    teachers = teachers_as_found(config, {t.checkpoint for t in manifest.teachers})
+    if missing := missing_teachers(manifest, teachers):  # the rest is numbered from a wrong path
+        return missing, []
+    problems, warnings = check_config(manifest, teachers)
     problems = with_tokenizers(problems, config, manifest)
     problems += check_routing(manifest, config.routing.model_dump(mode="json"), config.teachers)
     return problems, warnings

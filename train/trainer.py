@@ -29,7 +29,6 @@ import torch
 from mopd.base.errors import ConfigError, MopdError, OutOfMemoryError
 from mopd.base.fsio import write_replace
 from mopd.config.mopd_config import EFFECTIVE_CONFIG_FILE, MopdConfig, dump_config
-from mopd.config.train import BatchConfig
 from mopd.train.checkpoint.resume import RunIdentity, init_checkpoint, resume_checkpoint
 from mopd.train.checkpoint.run_record import run_record
 from mopd.train.checkpoint.state import (
@@ -60,6 +59,7 @@ from mopd.train.report.metrics import (
     teacher_names,
 )
 from mopd.train.report.tracking import Trackers, check_trackers
+from mopd.train.schedule import lr_factor, over_budget, schedule_warning
 from mopd.train.session import Log, open_session
 from mopd.train.store_check import check_store
 
@@ -87,25 +87,6 @@ def held_out_rows(num_rows: int, count: int, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng([seed, 1 << 20]).choice(num_rows, size=count, replace=False))
 
 
-def over_budget(batch: BatchConfig, longest: int) -> str | None:
-    """One warning line when a batch budget is smaller than the store's longest row: such a row is a
-    microbatch (or a step) of its own, over the budget, not cut or dropped."""
-    small = [
-        f"train.batch.{key} {budget}"
-        for key, budget in (
-            ("micro_batch_tokens", batch.micro_batch_tokens),
-            ("global_batch_tokens", batch.global_batch_tokens),
-        )
-        if budget < longest
-    ]
-    if not small:
-        return None
-    return (
-        f"warning: {' and '.join(small)} < the store's longest row ({longest} tokens): a row that long "
-        "makes a microbatch (or step) of its own, over the budget"
-    )
-
-
 def plan_line(loader: StoreLoader, seed: int, first: int, last: int) -> str:
     """What the run will train: its steps, and about how many tokens and epochs they are (from the
     first epoch's cut into steps; later epochs cut a little differently)."""
@@ -118,14 +99,6 @@ def plan_line(loader: StoreLoader, seed: int, first: int, last: int) -> str:
         f"training steps {first}..{last}: {count:,} steps ≈ {tokens:,.0f} tokens ≈ {count / per_epoch:.3g} "
         f"epochs of {loader.rows.shape[0]:,} rows ({per_epoch:,} step{'s' if per_epoch > 1 else ''} an epoch)"
     )
-
-
-def lr_factor(step: int, *, warmup: int, total: int) -> float:
-    """Linear warmup over `warmup` steps, then cosine decay to 0 at `total` (`step` counts from 0)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 def _memory_gib(device: torch.device) -> float:
@@ -178,9 +151,12 @@ class Trainer:
             with_teacher_states=self.student.holds_loss,
             spans=self.objective.span_weight > 0 and bool(session.cross_teachers),
         )
-        warning = over_budget(tc.batch, int(self.store.lengths.max(initial=0)))
-        if warning:
-            self.log(warning)
+        for warning in (
+            over_budget(tc.batch, int(self.store.lengths.max(initial=0))),
+            schedule_warning(tc.optim.warmup_steps, tc.steps, tc.optim.lr),
+        ):
+            if warning:
+                self.log(warning)
         self.optimizer = self.student.optimizer(lr=tc.optim.lr, weight_decay=tc.optim.weight_decay)
         if tc.dtype == "bfloat16":
             self.log(
@@ -357,8 +333,8 @@ class Trainer:
             self.session.close()
 
     def _save(self, step: int, loader: LoaderState, tracking: dict[str, str]) -> Path:
-        """A checkpoint after `step`, whose data order resumes at `loader`."""
-        return save_checkpoint(
+        """A checkpoint after `step`, whose data order resumes at `loader`; one line says so."""
+        saved = save_checkpoint(
             self.checkpoint_root,
             step,
             student=self.student,
@@ -371,6 +347,8 @@ class Trainer:
             world=self.world,
             tracking=tracking,
         )
+        self.log(f"saved checkpoint {saved} (a resume starts after step {step})")
+        return saved
 
     def _run(self, resume: bool | None, max_steps: int | None) -> TrainResult:
         point = self._resume_point(resume)
@@ -451,6 +429,8 @@ class Report:
             resumed=point.tracking if point else None,
             resume_step=point.step if point else None,
         )
+        for line in self.trackers.where():
+            self.log(line)
 
     def emit(self, record: Record, line: str) -> None:
         self.result.records.append(record)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mopd.base.errors import ManifestError, StoreIncompleteError
+from mopd.base.errors import ManifestError, MopdError, StoreIncompleteError
 from mopd.base.jsonio import MAX_RECORD_BYTES
 from mopd.store.arrays.binding import Recorded
 from mopd.store.format.manifest import (
@@ -83,6 +83,16 @@ def task_progress(location: Location) -> tuple[int, int]:
     return sum(task.task_id in done for task in plan.tasks), len(plan.tasks)
 
 
+def _holds_store(location: Location, name: str) -> bool:
+    """Whether the folder `name` of `location` is a store (a manifest or a plan in it)."""
+    try:
+        return location.is_folder(name) and any(
+            location.exists(f"{name}/{record}") for record in (MANIFEST_FILE, PLAN_FILE)
+        )
+    except MopdError:  # a file, a symbolic link: not a store
+        return False
+
+
 def read_manifest(store: Location | str | Path) -> Manifest:
     """The store's manifest; a missing one is reported with how many tasks are done.
 
@@ -98,8 +108,13 @@ def read_manifest(store: Location | str | Path) -> Manifest:
     if not location.is_folder(""):
         raise ManifestError(f"store {location.url} does not exist")
     if not location.exists(PLAN_FILE):
+        below = [name for name in sorted(location.names(""))[:1000] if _holds_store(location, name)]
+        hint = (
+            f"; the store one folder down is {location.url.rstrip('/')}/{below[0]}" if len(below) == 1 else ""
+        )
+        hint = f"; stores one folder down: {', '.join(below)}" if len(below) > 1 else hint
         raise ManifestError(
-            f"{location.url} is not a mopd store: it has no {MANIFEST_FILE} and no {PLAN_FILE}"
+            f"{location.url} is not a mopd store: it has no {MANIFEST_FILE} and no {PLAN_FILE}{hint}"
         )
     done, total = task_progress(location)
     raise StoreIncompleteError(

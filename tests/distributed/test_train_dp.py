@@ -29,7 +29,11 @@ def test_two_ranks_under_torchrun_match_one_rank(world: World, tmp_path: Path) -
     )
 
     log = run_torchrun(["train", str(config_path), "--output", str(tmp_path / "dp2")], nproc=2)
-    assert log.count("step 5/5") == 1  # only rank 0 prints
+    assert log.count("step 5/5") == 1  # only rank 0 prints, the run's closing line included
+    assert (
+        log.count(f"trained steps 1..5; checkpoint {tmp_path / 'dp2' / 'checkpoints' / 'step_00000005'}") == 1
+    )
+    assert log.count("on cpu: backend hf (data parallel over 2), 2 processes, float32 throughout") == 1
 
     ones = [r for r in single.records if r.get("split", "train") == "train"]
     twos = read_metrics(tmp_path / "dp2" / METRICS_FILE)

@@ -88,7 +88,8 @@ def test_unsupported_columns(tmp_path: Path, teachers: dict[str, Path]) -> None:
 def test_nonexistent_checkpoint(tmp_path: Path, teachers: dict[str, Path]) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", mixed_records(4))
     config = write_config(tmp_path, {**teachers, "chat": tmp_path / "no-such-teacher"}, data=data)
-    assert_refused(config, "teachers.chat: checkpoint")
+    missing = tmp_path / "no-such-teacher"
+    assert_refused(config, f"names a path that does not exist — teachers.chat: {missing} (")
 
 
 def other_vocabulary_config(tmp_path: Path, teachers: dict[str, Path]) -> Path:

@@ -91,7 +91,7 @@ def test_an_interrupted_train_command_says_how_to_resume(
     world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ctrl-C during step 3 (checkpoints every 2): exit 130 and a line naming the step-2 checkpoint the
-    same command resumes from."""
+    same command resumes from, and how to start over instead; the save of step 2 was a line of its own."""
     world_config(world, tmp_path, steps=4, checkpoint={"every": 2, "keep": 1})
     original = Trainer.train_step
 
@@ -104,11 +104,15 @@ def test_an_interrupted_train_command_says_how_to_resume(
     command = ["train", str(tmp_path / "config.yaml")]
     out = CliRunner().invoke(cli, command)
     assert out.exit_code == 130, out.output
+    run = tmp_path / "run"
     last = out.stderr.strip().splitlines()[-1]
+    kept = run / "checkpoints" / "step_00000002"
     assert last == (
-        f"interrupted: its last complete checkpoint is {tmp_path / 'run' / 'checkpoints' / 'step_00000002'}; "
-        "the same command resumes from it (--no-resume refuses to)"
+        f"interrupted: the last complete checkpoint is {kept}; the same command resumes from it, or to "
+        f"start over give the run another folder (--output DIR) or remove {run}"
     )
+    saved = [line for line in out.stderr.splitlines() if line.startswith("saved checkpoint")]
+    assert saved == [f"saved checkpoint {kept} (a resume starts after step 2)"]
 
 
 def test_export_hf_writes_the_trained_student(world: World, tmp_path: Path) -> None:

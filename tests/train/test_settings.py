@@ -17,7 +17,9 @@ from tests.train.world import World, world_config, write_train_config
 
 def test_a_batch_budget_smaller_than_a_row_warns_once_with_the_numbers(world: World, tmp_path: Path) -> None:
     longest = int(open_store(world.store).lengths.max())
-    config = world_config(world, tmp_path, steps=1, batch={"micro_batch_tokens": longest - 1})
+    config = world_config(
+        world, tmp_path, steps=1, batch={"micro_batch_tokens": longest - 1}, optim={"warmup_steps": 0}
+    )
     lines: list[str] = []
     assert run_training(config, log=lines.append).last_step == 1
     (warning,) = [line for line in lines if line.startswith("warning")]

@@ -15,6 +15,9 @@ from mopd.precompute.runner import run_precompute
 from mopd.train.trainer import run_training
 from tests.train.world import World, world_config, write_train_config
 
+# A one-step run with warmup would be warned of (its rate never reaches lr); these tests count warnings.
+NO_WARMUP = {"lr": 5.0e-3, "warmup_steps": 0}
+
 
 def train_command(config_path: Path) -> tuple[int, str]:
     out = CliRunner().invoke(cli, ["train", str(config_path), "--max-steps", "1"])
@@ -59,14 +62,14 @@ def test_renamed_aliases_with_their_routing_still_train(world: World, tmp_path: 
     renamed = {"maths": world.teachers["math"], "coding": world.teachers["code"]}
     routing = {"teacher_by_agent": {"math": "maths", "code": "coding"}}
     lines: list[str] = []
-    config = world_config(world, tmp_path, teachers=renamed, routing=routing, steps=1)
+    config = world_config(world, tmp_path, teachers=renamed, routing=routing, steps=1, optim=NO_WARMUP)
     assert run_training(config, log=lines.append).last_step == 1
     assert not [line for line in lines if line.startswith("warning")]
 
 
 def test_other_data_settings_warn_once_and_train_the_store(world: World, tmp_path: Path) -> None:
     other = Path(shutil.copy(world.data, tmp_path / "other.jsonl"))
-    world_config(world, tmp_path, steps=1)  # writes tmp_path / config.yaml
+    world_config(world, tmp_path, steps=1, optim=NO_WARMUP)  # writes tmp_path / config.yaml
     raw = yaml.safe_load((tmp_path / "config.yaml").read_text())
     raw["data"] = {"path": str(other), "max_length": 64}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
@@ -84,7 +87,13 @@ def test_a_data_file_changed_since_precompute_warns(world: World, tmp_path: Path
     data = Path(shutil.copy(world.math_data, tmp_path / "math.jsonl"))
     math_only = {"math": world.teachers["math"]}
     config_path = write_train_config(
-        tmp_path, math_only, data=data, store=tmp_path / "store.zarr", student=world.student, steps=1
+        tmp_path,
+        math_only,
+        data=data,
+        store=tmp_path / "store.zarr",
+        student=world.student,
+        steps=1,
+        optim=NO_WARMUP,
     )
     run_precompute(load_config(config_path), show_progress=False, log=lambda *_: None)
     lines: list[str] = []

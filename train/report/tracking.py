@@ -65,6 +65,7 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, 
 class Tracker(Protocol):
     def log(self, values: dict[str, float], step: int) -> None: ...
     def identity(self) -> str: ...  # what a resumed run needs to append to the same tracker run
+    def where(self) -> str: ...  # where its records go, and how to look at them (one line)
     def close(self) -> None: ...
 
 
@@ -88,6 +89,9 @@ class TensorBoard:
 
     def identity(self) -> str:
         return str(self.folder)
+
+    def where(self) -> str:
+        return f"tensorboard: events in {self.folder} (view: tensorboard --logdir {self.folder})"
 
     def close(self) -> None:
         self.writer.close()
@@ -123,6 +127,10 @@ class WandB:
 
     def identity(self) -> str:
         return str(self.run.id)
+
+    def where(self) -> str:
+        mode = "offline, sync with `wandb sync`" if self.run.settings.mode == "offline" else self.run.url
+        return f"wandb: run {self.run.id} in {self.run.dir} ({mode})"
 
     def close(self) -> None:
         self.run.finish()
@@ -168,6 +176,10 @@ class MLflow:
 
     def identity(self) -> str:
         return self.run_id
+
+    def where(self) -> str:
+        uri = self.client.tracking_uri
+        return f"mlflow: run {self.run_id} in {uri} (view: mlflow ui --backend-store-uri {uri})"
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
@@ -228,6 +240,10 @@ class Trackers:
         values = scalars(record, self.names)
         for tracker in self.trackers.values():
             tracker.log(values, record["step"])
+
+    def where(self) -> list[str]:
+        """A line per tracker: where it writes."""
+        return [tracker.where() for tracker in self.trackers.values()]
 
     def identities(self) -> dict[str, str]:
         return {kind: tracker.identity() for kind, tracker in self.trackers.items()}
