@@ -16,6 +16,7 @@ from pydantic_core import PydanticUndefined
 
 from mopd.cli.main import cli
 from mopd.config.mopd_config import MopdConfig
+from tests.store.test_local_server_docs import documented_commands
 from tests.train.divergence_cases import make_case
 from tests.train.world import World
 
@@ -121,6 +122,8 @@ def test_every_documented_command_is_valid_and_exercised(source: str, command: s
         _parse_mopd(words[module + 2 :])
     elif words[:3] == ["python", "-m", "pytest"] and command not in CI_SCRIPT:  # a selection of the suite
         _check_selection(words[3:])
+    elif command in documented_commands():  # the local S3 server's: run as written by their own test
+        assert source == "docs/store-format.md"
     else:  # environment set-up and the test command: .ci/run runs them as written
         assert command in CI_SCRIPT, f"{source}: `{command}` is neither a mopd command nor run by .ci/run"
 
