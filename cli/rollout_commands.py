@@ -9,7 +9,7 @@ import click
 from mopd.cli.arguments import config_argument
 from mopd.cli.console import plain_log, stderr_console
 from mopd.config.mopd_config import load_config
-from mopd.config.paths import ROLLOUT, ROUNDS, check_paths
+from mopd.config.paths import ROLLOUT, check_paths, rounds_paths
 
 
 @click.command("rollout")
@@ -73,7 +73,7 @@ def rounds_command(config_path: Path, overrides: tuple[str, ...]) -> None:
     from mopd.rollout.rounds import run_rounds
 
     config = load_config(config_path, overrides)
-    check_paths(config, ROUNDS)
+    check_paths(config, rounds_paths(config))
     console = stderr_console()
     run = run_rounds(config, log=plain_log(console))
     console.print(f"rounds done; last run {run}")

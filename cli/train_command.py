@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -63,6 +64,8 @@ def train_command(
         )
     except KeyboardInterrupt:
         assert config.train is not None  # run_training refuses a config without it
+        if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 says it, once
+            sys.exit(130)
         folder = Path(output or config.train.output_dir)
         latest = latest_checkpoint(folder)
         console.print(

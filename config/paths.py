@@ -15,7 +15,20 @@ from mopd.config.mopd_config import MopdConfig
 PRECOMPUTE = ("tokenizer", "teachers", "data.path")
 TRAIN = ("teachers", "train.student", "train.init_from")
 ROLLOUT = ("tokenizer", "train.student", "rollout.prompts")
-ROUNDS = (*PRECOMPUTE, "train.student", "train.init_from", "rollout.prompts", "rounds.heldout_prompts")
+ROUNDS = (
+    "tokenizer",
+    "teachers",
+    "train.student",
+    "train.init_from",
+    "rollout.prompts",
+    "rounds.heldout_prompts",
+)
+
+
+def rounds_paths(config: MopdConfig) -> tuple[str, ...]:
+    """What `mopd rounds` reads: data.path too where rounds.off_policy_fraction mixes its rows in."""
+    mixed = config.rounds is not None and config.rounds.off_policy_fraction > 0
+    return (*ROUNDS, "data.path") if mixed else ROUNDS
 
 
 def configured_paths(config: MopdConfig, keys: Iterable[str]) -> Iterator[tuple[str, str]]:

@@ -16,6 +16,7 @@ from click.testing import CliRunner, Result
 
 from mopd.cli.main import cli
 from mopd.config.mopd_config import load_config
+from mopd.config.paths import missing_paths, rounds_paths
 from mopd.store.format.loading import read_manifest
 from mopd.train.checkpoint.export import export_hf
 from mopd.train.trainer import run_training
@@ -234,3 +235,17 @@ def test_inspect_fits_80_columns(world: World) -> None:
     assert sorted(row[1] for row in table) == ["code", "math"], lines
     notes = [line for line in lines if "fingerprint" in line]
     assert [line.split()[0] for line in notes] == ["fingerprint", "fingerprint"]
+
+
+def test_rounds_check_the_fixed_dataset_only_where_they_mix_it_in(world: World, tmp_path: Path) -> None:
+    """`mopd rounds` reads data.path only for rounds.off_policy_fraction > 0: a purely on-policy config
+    whose data.path is gone is not refused for it."""
+    world_config(world, tmp_path)
+    raw = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    raw["data"]["path"] = str(tmp_path / "gone.jsonl")
+    raw["rollout"] = {"prompts": str(world.data)}
+    for fraction, missing in ((0.0, []), (0.5, [("data.path", str(tmp_path / "gone.jsonl"))])):
+        raw["rounds"] = {"count": 1, "steps_per_round": 1, "off_policy_fraction": fraction}
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+        config = load_config(tmp_path / "config.yaml")
+        assert missing_paths(config, rounds_paths(config)) == missing
