@@ -29,15 +29,15 @@ def explain(
         if item["type"] == "extra_forbidden":
             message = _unknown_key(model, loc)
             unknown.add(loc)
-        elif loc:
-            message = f"`{describe_location(loc)}`: {message}"
         if message not in by_key.setdefault(loc, []):
             by_key[loc].append(message)
     parts = []
     for loc, messages in by_key.items():
-        typed = _typed(describe_location(loc), overrides, made=loc in unknown) if loc else None
+        key = describe_location(loc)
+        typed = _typed(key, overrides, made=loc in unknown) if loc else None
         origin = f"command line {typed}" if typed is not None else source
-        parts.append(f"{origin}: {' or '.join(messages)}")
+        why = " or ".join(messages)
+        parts.append(f"{origin}: {why}" if not loc or loc in unknown else f"{origin}: `{key}`: {why}")
     return "; ".join(parts)
 
 
@@ -83,7 +83,7 @@ def _unknown_key(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
         fields = _fields(current)
         current = fields.get(part) if fields is not None else _member_value(current)
     fields = _fields(current) or {}
-    name = str(loc[-1])
+    name = describe_location(loc[-1:])  # an odd key (a newline, a space) quoted
     where = f"{describe_location(loc[:-1])} has" if len(loc) > 1 else "the config has"
     close = difflib.get_close_matches(name, list(fields), n=1, cutoff=0.6)
     if close:

@@ -283,7 +283,7 @@ def run_tasks(
                 if isinstance(t, HeadTask | ShardTask | EncodingTask) and t.teacher == slot.index
             ]
             if mine:
-                progress.describe(f"teacher {number}/{len(teachers.slots)} ({'+'.join(slot.aliases)})")
+                progress.describe(f"{'+'.join(slot.aliases)} ({number}/{len(teachers.slots)} teachers)")
                 own = slot.index in teachers.cross  # a teacher of another tokenizer reads its own rows
                 length = int(rows.token_rows(own)[1].max())
                 teacher = load_teacher(

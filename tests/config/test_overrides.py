@@ -72,6 +72,11 @@ def test_a_relative_path_is_relative_to_the_working_directory(
             r"e.g. 5000 or 3e-4\)$",
         ),
         ("train.steps=-1", r"`train.steps`: Input should be greater than"),
+        (  # a union's members each refuse it: one part, the key named once
+            "train.divergence.chunk_size=5k",
+            r"^command line train.divergence.chunk_size=5k: `train.divergence.chunk_size`: Input should be a "
+            r"valid integer, unable to parse string as an integer or Input should be 'auto'$",
+        ),
         ("train.optim.lr=[1, 2]", r"`train.optim.lr`: Input should be a valid number"),
         ("train.steps", r"override 'train.steps': write it as section.key=value"),
         ("train..steps=1", r"override 'train..steps=1': write it as section.key=value"),

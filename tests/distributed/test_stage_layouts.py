@@ -100,7 +100,8 @@ except MopdError as err:
 
 def test_a_failed_set_up_under_torchrun_leaves_no_process_group(config: Path, tmp_path: Path) -> None:
     """Under torchrun the session makes the world's process group before it opens the store: a store
-    that cannot be opened ends the set-up, and the group with it."""
+    that is not there (refused with every other missing path of the config: a ConfigError) ends the
+    set-up, and the group with it."""
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -115,6 +116,6 @@ def test_a_failed_set_up_under_torchrun_leaves_no_process_group(config: Path, tm
     assert done.returncode == 0, done.stderr[-3000:]
     # Counted, not split into lines: the two ranks share one stdout, and their lines may interleave.
     refusals = done.stdout.count("refused: ")
-    assert refusals == done.stdout.count("refused: ManifestError; process group left: False") == 2, (
+    assert refusals == done.stdout.count("refused: ConfigError; process group left: False") == 2, (
         done.stdout + done.stderr[-2000:]
     )

@@ -15,13 +15,13 @@ def test_progress_prints_plain_lines_when_stderr_is_not_a_terminal(
     """The counts are the job's, over every teacher: each line names the teacher that runs now apart from
     them, never as if the job's rows were that teacher's."""
     with TokenProgress(total_rows=10, total_tokens=1000) as bar:
-        bar.describe("teacher 1/2 (math)")
+        bar.describe("math (1/2 teachers)")
         bar.advance(rows=4, tokens=400)
-        bar.describe("teacher 2/2 (code)")
+        bar.describe("code (2/2 teachers)")
         bar.advance(rows=6, tokens=600)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("precompute, ")]
-    assert lines[0].startswith("precompute, teacher 1/2 (math); job: 4/10 rows, 400/1,000 tokens, ")
-    assert lines[1].startswith("precompute, teacher 2/2 (code); job: 10/10 rows, 1,000/1,000 tokens, ")
+    assert lines[0].startswith("precompute, math (1/2 teachers); job: 4/10 rows, 400/1,000 tokens, ")
+    assert lines[1].startswith("precompute, code (2/2 teachers); job: 10/10 rows, 1,000/1,000 tokens, ")
     assert lines[1].endswith("0.0 min left")
 
 
