@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from mopd.train.kernel.divergence import linear_divergence
+from mopd.train.kernel.ensemble import mixture_divergence
 from mopd.train.kernel.labels import linear_cross_entropy
 from mopd.train.kernel.reference import reference_divergence
 from tests.distributed.harness import run_distributed
@@ -298,3 +299,51 @@ def test_projected_teacher_under_tensor_parallelism_equals_single_process() -> N
         assert_close(
             head, dense[kind]["grad_head"], rtol=2 * sum_rtol(terms), norm=True, what=f"{kind} grad_head"
         )
+
+
+def _mixture_worker(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
+    from tests.train.test_ensemble import N, V, ensemble_case
+
+    hs, ws, members, heads = ensemble_case(seed=13)
+    ws_local, start = shard(ws, rank, world)
+    out = {}
+    for kind in KINDS_TP:
+        h, w = hs.clone().requires_grad_(), ws_local.clone().requires_grad_()
+        result = mixture_divergence(
+            h,
+            w,
+            members,
+            {t: shard(head, rank, world)[0] for t, head in heads.items()},
+            kind=kind,
+            temperature=0.7,
+            weights=torch.full((N,), 1.0 / N),
+            chunk_size=6,
+            tp_group=dist.group.WORLD,
+            vocab_start=start,
+            vocab_size=V,
+        )
+        result.loss.backward()
+        assert h.grad is not None and w.grad is not None
+        rows = max(0, min(w.shape[0], V - start))
+        out[kind] = {"per_token": result.per_token, "grad_hidden": h.grad, "grad_head": w.grad[:rows]}
+    return out
+
+
+def test_a_mixture_under_tensor_parallelism_equals_the_float64_reference() -> None:
+    """Each token's mixture of up to 3 teachers, the vocabulary (97, padded to 2 × 49) split over 2 gloo
+    ranks, every kind: values and gradients against the float64 reference within the bound of
+    tests/train/test_ensemble.py (worst-case sums: the split only reorders their terms)."""
+    from tests.train.test_ensemble import RTOL, N, ensemble_case, reference
+
+    results = run_distributed(_mixture_worker, world_size=2, timeout=120)
+    hs, ws, members, heads = ensemble_case(seed=13)
+    for kind in KINDS_TP:
+        _loss, per_token, grad_hidden, grad_head = reference(
+            hs, ws, members, heads, kind=kind, temperature=0.7, weights=torch.full((N,), 1.0 / N)
+        )
+        for rank in range(2):
+            got = results[rank][kind]
+            assert_close(got["per_token"], per_token, rtol=RTOL, norm=True, what=f"{kind} per_token")
+            assert_close(got["grad_hidden"], grad_hidden, rtol=RTOL, norm=True, what=f"{kind} grad_hidden")
+        head = torch.cat([results[r][kind]["grad_head"] for r in range(2)])
+        assert_close(head, grad_head, rtol=RTOL, norm=True, what=f"{kind} grad_head")

@@ -42,7 +42,41 @@ def reference_divergence(
         transform = (teacher_transforms or {}).get(t, LogitTransform())
         logits = transform.apply(rows.to(dtype) @ teacher_heads[t].to(dtype).T)
         zt[mask] = logits[:, :vocab_size] / temperature
-    logp_s, logp_t = zs.log_softmax(-1), zt.log_softmax(-1)
+    return _weighted(zs.log_softmax(-1), zt.log_softmax(-1), kind, beta, weights)
+
+
+def reference_mixture(
+    student_hidden: torch.Tensor,
+    student_head: torch.Tensor,
+    members: Mapping[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    teacher_heads: Mapping[int, torch.Tensor],
+    *,
+    kind: str = "reverse_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    weights: torch.Tensor | None = None,
+    teacher_transforms: Mapping[int, LogitTransform] | None = None,
+) -> DivergenceOutput:
+    """`ensemble.mixture_divergence` written out: every teacher's [N_t, V] distribution materialised,
+    mixed as log Σ_k (w_k / Σ w) p_k. `members`: teacher → (positions, hidden rows, weights)."""
+    dtype = torch.float64 if student_hidden.dtype == torch.float64 else torch.float32
+    zs = (student_hidden.to(dtype) @ student_head.to(dtype).T) / temperature
+    parts = torch.full((len(members), *zs.shape), float("-inf"), dtype=dtype)
+    total = torch.zeros(zs.shape[0], dtype=dtype)
+    for k, (t, (positions, hidden, weight)) in enumerate(members.items()):
+        transform = (teacher_transforms or {}).get(t, LogitTransform())
+        logits = transform.apply(hidden.to(dtype) @ teacher_heads[t].to(dtype).T) / temperature
+        parts[k, positions] = logits.log_softmax(-1) + weight.to(dtype).log()[:, None]
+        total[positions] += weight.to(dtype)
+    logp_t = parts.logsumexp(0) - total.log()[:, None]
+    return _weighted(zs.log_softmax(-1), logp_t, kind, beta, weights)
+
+
+def _weighted(
+    logp_s: torch.Tensor, logp_t: torch.Tensor, kind: str, beta: float, weights: torch.Tensor | None
+) -> DivergenceOutput:
+    """Σ_n weights_n · D(p_s ‖ p_t) of the kind, from both sides' log-probabilities."""
+    num_tokens, dtype = logp_s.shape[0], logp_s.dtype
     p_s, p_t = logp_s.exp(), logp_t.exp()
     if kind == "reverse_kl":
         value = (p_s * (logp_s - logp_t)).sum(-1)

@@ -1,0 +1,174 @@
+"""Several teachers for one token (DESIGN §14): the mixture target Σ_k w_k p_k, rebuilt chunk by chunk
+from each teacher's hidden rows and head and mixed in log space, then any divergence kind against it.
+
+Per chunk of C tokens: one student GEMM (the shared loop), and per teacher one GEMM over the chunk's
+tokens it scores, its log-softmax (statistics reduced over the tensor-parallel group, O(C) numbers) and
+log w_k added, folded into the running log-mixture with `logaddexp`. Memory: the kernel's chunk buffers
+plus one [C, V_local] buffer for the teacher being folded in, whatever the number of teachers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from mopd.store.format.transform import LogitTransform
+from mopd.train.kernel.chunk_chain import NEEDS_P_T, all_reduce, soft_value_and_grad
+from mopd.train.kernel.divergence import (
+    KINDS,
+    DivergenceOutput,
+    _ChunkObjective,
+    _Plan,
+    _temper,
+    fused_loss,
+    token_weights,
+    valid_columns,
+)
+from mopd.train.kernel.gemm import mm, operand
+
+
+@dataclass(frozen=True)
+class Member:
+    """One teacher's part in an ensemble: the tokens it scores (ascending positions), its hidden rows
+    for them, and its mixture weight at each (≥ 0; a token's weights need not sum to 1: they are
+    normalised per token)."""
+
+    positions: torch.Tensor  # [N_t] long
+    hidden: torch.Tensor  # [N_t, H_t]
+    weight: torch.Tensor  # [N_t]
+
+
+class _MixtureTargets(_ChunkObjective):
+    """The divergence from each token's mixture of its teachers' (tempered) distributions."""
+
+    def __init__(
+        self,
+        kind: str,
+        beta: float,
+        members: Mapping[int, Member],
+        log_weights: Mapping[int, torch.Tensor],
+        heads: Mapping[int, torch.Tensor],
+        transforms: Mapping[int, LogitTransform],
+    ) -> None:
+        self.kind, self.beta = kind, beta
+        self.members, self.log_weights, self.heads, self.transforms = members, log_weights, heads, transforms
+        names = ["zs", "zt", "ps"] + (["pt"] if kind in NEEDS_P_T else [])
+        self.buffer_names = tuple([*names, *(["work"] if kind in ("jsd", "tvd") else []), "one"])
+
+    def value_and_grad(
+        self, full: dict[str, torch.Tensor], span: slice, scale_C: torch.Tensor, plan: _Plan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        size = span.stop - span.start
+        buffers = {name: buf[:size] for name, buf in full.items() if name != "one"}
+        mixture = buffers["zt"].fill_(float("-inf"))
+        for t, member in self.members.items():
+            first, stop = torch.searchsorted(member.positions, torch.tensor([span.start, span.stop])).tolist()
+            if first == stop:
+                continue
+            local = (member.positions[first:stop] - span.start).to(mixture.device)
+            logits = full["one"][: stop - first]
+            mm(
+                operand(member.hidden[first:stop], plan.native),
+                operand(self.heads[t], plan.native).T,
+                out=logits,
+            )
+            _temper(self.transforms[t].apply_(logits), plan.temperature)
+            if plan.valid is not None:
+                logits.masked_fill_(~plan.valid, float("-inf"))
+            shift = self.log_weights[t][first:stop] - _log_sum_exp(logits, plan.group)
+            mixture[local] = torch.logaddexp(mixture[local], logits.add_(shift[:, None]))
+        return soft_value_and_grad(buffers, plan.valid, self.kind, self.beta, scale_C, plan.group)
+
+
+def _log_sum_exp(logits: torch.Tensor, group: Any) -> torch.Tensor:
+    """Each row's log Σ exp over the whole vocabulary (this rank's slice, reduced over the group)."""
+    peak = all_reduce(logits.amax(1), dist.ReduceOp.MAX, group)
+    total = all_reduce((logits - peak[:, None]).exp_().sum(1), dist.ReduceOp.SUM, group)
+    return peak + total.log()
+
+
+def _log_weights(members: Mapping[int, Member], num_tokens: int) -> dict[int, torch.Tensor]:
+    """log(w_k / Σ_k w_k) of each member at its tokens.
+
+    Raises:
+        ValueError: a negative weight, or a token with no member of positive weight.
+    """
+    total = torch.zeros(num_tokens, dtype=torch.float64)
+    for t, member in members.items():
+        if (
+            member.weight.shape != member.positions.shape
+            or member.hidden.shape[0] != member.positions.shape[0]
+        ):
+            raise ValueError(f"teacher {t}: positions, hidden rows and weights must be as many")
+        if bool((member.weight < 0).any()):
+            raise ValueError(f"teacher {t} has a negative mixture weight")
+        if member.positions.numel() and not bool((member.positions[1:] > member.positions[:-1]).all()):
+            raise ValueError(f"teacher {t}: positions must ascend, each token once")
+        total.index_add_(0, member.positions.cpu(), member.weight.detach().cpu().double())
+    if bool((total <= 0).any()):
+        token = int((total <= 0).nonzero()[0])
+        raise ValueError(f"token {token} has no teacher of positive weight; every token needs one")
+    return {
+        t: (m.weight.detach().cpu().double() / total[m.positions.cpu()]).log().float()
+        for t, m in members.items()
+    }
+
+
+def mixture_divergence(
+    student_hidden: torch.Tensor,
+    student_head: torch.Tensor,
+    members: Mapping[int, Member],
+    teacher_heads: Mapping[int, torch.Tensor],
+    *,
+    kind: str = "reverse_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    weights: torch.Tensor | None = None,
+    chunk_size: int | Literal["auto"] = "auto",
+    tp_group: Any = None,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    teacher_transforms: Mapping[int, LogitTransform] | None = None,
+) -> DivergenceOutput:
+    """Σ_n weights_n · D(p_student,n ‖ Σ_k w_k,n p_k,n) without any [N, V] tensor: each token's target
+    is the mixture of the (tempered) distributions of the teachers that score it (`members`), with
+    their weights normalised per token. Arguments as `divergence.linear_divergence`'s.
+
+    Raises:
+        ValueError: unknown kind, a teacher without a head, weights or positions that do not fit, or a
+            token no teacher scores.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    missing = sorted(set(members) - set(teacher_heads))
+    if missing:
+        raise ValueError(f"teacher {missing[0]} scores tokens but no head was given for it")
+    device = student_hidden.device
+    num_tokens, local_vocab = student_hidden.shape[0], student_head.shape[0]
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    vocab_size = local_vocab * tp_size if vocab_size is None else vocab_size
+    objective = _MixtureTargets(
+        kind,
+        float(beta),
+        members={t: Member(m.positions.cpu(), m.hidden.detach(), m.weight) for t, m in members.items()},
+        log_weights={t: w.to(device) for t, w in _log_weights(members, num_tokens).items()},
+        heads={t: teacher_heads[t].detach() for t in members},
+        transforms={t: (teacher_transforms or {}).get(t, LogitTransform()) for t in members},
+    )
+    return fused_loss(
+        student_hidden,
+        student_head,
+        objective,
+        weights=token_weights(weights, num_tokens, device),
+        temperature=temperature,
+        chunk_size=chunk_size,
+        valid=valid_columns(vocab_start, local_vocab, vocab_size, device),
+        tp_group=tp_group,
+        compiled=False,
+    )
