@@ -15,9 +15,10 @@ from rich.table import Table
 
 from mopd.base.errors import MopdError
 from mopd.cli.arguments import STORE
-from mopd.config.mopd_config import MopdConfig, load_config
+from mopd.config.mopd_config import load_config
 from mopd.config.paths import teachers_as_found
 from mopd.store.format.loading import read_manifest
+from mopd.store.format.manifest import Manifest
 from mopd.store.locations.location import open_location
 from mopd.store.summary import StoreSummary, summarise_store
 from mopd.store.verify import verify_store
@@ -47,18 +48,24 @@ def verify_manifest_command(
     Reports every problem, one per line (exit 1), or nothing (exit 0). Never writes to STORE.
     """
     config = load_config(config_path) if config_path is not None else None
+    options = config.store.options if config else None
+    manifest = _manifest(store, options)
+    recorded = {t.checkpoint for t in manifest.teachers} if manifest is not None else set()
     problems, warnings = verify_store(
         store,
-        options=config.store.options if config else None,
-        teachers=teachers_as_found(config, _recorded(store, config)) if config else None,
+        options=options,
+        teachers=teachers_as_found(config, recorded) if config else None,
         routing=config.routing.model_dump(mode="json") if config else None,
         encoding=config.store.encoding if config else None,
         full=full,
     )
-    if config is not None:
-        problems = _with_tokenizers(problems, config, store)
-    if checkpoint is not None:
-        problems += _checkpoint_problems(checkpoint, store, config.store.options if config else None)
+    if config is not None and manifest is not None and manifest.tokenizer.fingerprint:
+        # a store with teachers of other tokenizers only: the check loads tokenizers (transformers)
+        from mopd.train.store_check import with_tokenizers
+
+        problems = with_tokenizers(problems, config, manifest)
+    if checkpoint is not None and manifest is not None:
+        problems += check_checkpoint(checkpoint, manifest)
     for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
     if as_json:
@@ -72,37 +79,13 @@ def verify_manifest_command(
     sys.exit(1 if problems else 0)
 
 
-def _recorded(store: str, config: MopdConfig) -> set[str]:
-    """The teacher checkpoints the store's manifest names (none where it cannot be read: that problem is
-    the store's, reported by the verification)."""
+def _manifest(store: str, options: Mapping[str, str] | None) -> Manifest | None:
+    """The store's manifest, read once for the checks beside the store's own; None where it cannot be
+    read (that problem is the store's, which `verify_store` reports)."""
     try:
-        return {t.checkpoint for t in read_manifest(open_location(store, config.store.options)).teachers}
+        return read_manifest(open_location(store, options))
     except MopdError:
-        return set()
-
-
-def _with_tokenizers(problems: list[str], config: MopdConfig, store: str) -> list[str]:
-    """`problems` with each tokenizer swapped since precompute named (a store with teachers of other
-    tokenizers only: the check loads tokenizers, and with them transformers)."""
-    try:
-        manifest = read_manifest(open_location(store, config.store.options))
-    except MopdError:
-        return problems
-    if not manifest.tokenizer.fingerprint:
-        return problems
-    from mopd.train.store_check import with_tokenizers
-
-    return with_tokenizers(problems, config, manifest)
-
-
-def _checkpoint_problems(folder: Path, store: str, options: Mapping[str, str] | None) -> list[str]:
-    """The training checkpoint against the store (none when the store's manifest cannot be read: that
-    problem is the store's, reported already)."""
-    try:
-        manifest = read_manifest(open_location(store, options))
-    except MopdError:
-        return []
-    return check_checkpoint(folder, manifest)
+        return None
 
 
 def format_size(num_bytes: float) -> str:

@@ -245,6 +245,19 @@ def missing_teachers(manifest: Manifest, teachers: Mapping[str, str]) -> list[st
     return problems
 
 
+def check_teachers(
+    manifest: Manifest, teachers: Mapping[str, str], routing: Mapping[str, Any] | None
+) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of a config's teachers (alias → checkpoint) and routing against the store's:
+    a checkpoint that is not there is named alone, since the numbering of the rest follows from its
+    wrong path; else `check_config`, then `check_routing` (skipped where `routing` is None)."""
+    missing = missing_teachers(manifest, teachers)
+    if missing:
+        return missing, []
+    problems, warnings = check_config(manifest, teachers)
+    return problems + (check_routing(manifest, routing, teachers) if routing is not None else []), warnings
+
+
 def check_config(manifest: Manifest, teachers: Mapping[str, str]) -> tuple[list[str], list[str]]:
     """The config's teachers (alias → checkpoint) are the store's: the same bytes at the same index, and
     every alias both name points at the same teacher (renaming aliases is fine; swapping two is not).
@@ -252,9 +265,6 @@ def check_config(manifest: Manifest, teachers: Mapping[str, str]) -> tuple[list[
     Returns:
         (problems, warnings).
     """
-    missing = missing_teachers(manifest, teachers)
-    if missing:  # the numbering of the rest follows from a path that is wrong: it says nothing more
-        return missing, []
     fingerprints, warnings = _config_fingerprints(teachers)
     slots = assign_teacher_indices(teachers)
     stored = {t.index: t for t in manifest.teachers}
@@ -381,11 +391,9 @@ def verify_store(
     left = temporaries(root, (artifact.path for artifact in manifest.artifacts()))
     warnings += [describe_temporary(root, key) for key in left]
     if teachers is not None:
-        found, config_warnings = check_config(manifest, teachers)
+        found, config_warnings = check_teachers(manifest, teachers, routing)
         problems += found
         warnings += config_warnings
-        if routing is not None and not missing_teachers(manifest, teachers):  # else numbered wrongly
-            problems += check_routing(manifest, routing, teachers)
     if encoding is not None and encoding != manifest.storage.encoding:
         problems.append(
             f"store.encoding: {manifest.storage.encoding!r} in the store, {encoding!r} in the config (a "

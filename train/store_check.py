@@ -17,7 +17,7 @@ from mopd.config.paths import teachers_as_found
 from mopd.store.format.manifest import Manifest
 from mopd.store.format.provenance import recorded_source, same_source
 from mopd.store.locations.location import Location
-from mopd.store.verify import check_config, check_routing, missing_teachers
+from mopd.store.verify import check_teachers
 from mopd.tokens.pieces import swapped_tokenizer
 from mopd.train.backends.groups import RankGroup
 from mopd.train.backends.hf import STUDENT_TOKENIZER_FIX
@@ -27,12 +27,8 @@ def store_differences(config: MopdConfig, manifest: Manifest) -> tuple[list[str]
     """(problems, warnings) of the config's teachers, aliases, tokenizers and routing against the
     store's, one line each; the teachers' checkpoints are fingerprinted where they are reachable."""
     teachers = teachers_as_found(config, {t.checkpoint for t in manifest.teachers})
-    if missing := missing_teachers(manifest, teachers):  # the rest is numbered from a wrong path
-        return missing, []
-    problems, warnings = check_config(manifest, teachers)
-    problems = with_tokenizers(problems, config, manifest)
-    problems += check_routing(manifest, config.routing.model_dump(mode="json"), config.teachers)
-    return problems, warnings
+    problems, warnings = check_teachers(manifest, teachers, config.routing.model_dump(mode="json"))
+    return with_tokenizers(problems, config, manifest), warnings
 
 
 def with_tokenizers(teacher_problems: list[str], config: MopdConfig, manifest: Manifest) -> list[str]:

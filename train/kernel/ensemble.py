@@ -58,6 +58,11 @@ class _MixtureTargets(_ChunkObjective):
         self.members, self.log_weights, self.heads, self.transforms = members, log_weights, heads, transforms
         names = ["zs", "zt", "ps"] + (["pt"] if kind in NEEDS_P_T else [])
         self.buffer_names = tuple([*names, *(["work"] if kind in ("jsd", "tvd") else []), "one"])
+        self.operands: dict[int, torch.Tensor] = {}  # each head as a GEMM operand (`prepare`)
+
+    def prepare(self, full: dict[str, torch.Tensor], plan: _Plan) -> None:
+        # Every chunk meets every teacher: each head becomes a GEMM operand once, not once a chunk.
+        self.operands = {t: operand(head, plan.native) for t, head in self.heads.items()}
 
     def value_and_grad(
         self, full: dict[str, torch.Tensor], span: slice, scale_C: torch.Tensor, plan: _Plan
@@ -71,11 +76,7 @@ class _MixtureTargets(_ChunkObjective):
                 continue
             local = (member.positions[first:stop] - span.start).to(mixture.device)
             logits = full["one"][: stop - first]
-            mm(
-                operand(member.hidden[first:stop], plan.native),
-                operand(self.heads[t], plan.native).T,
-                out=logits,
-            )
+            mm(operand(member.hidden[first:stop], plan.native), self.operands[t].T, out=logits)
             _temper(self.transforms[t].apply_(logits), plan.temperature)
             if plan.valid is not None:
                 logits.masked_fill_(~plan.valid, float("-inf"))
