@@ -22,6 +22,8 @@ def test_ci_runs_the_readme_commands() -> None:
     script = (REPO / ".ci" / "run").read_text()
     assert install.endswith("&& mopd quickstart")
     assert "\n    " + install + "\n" in script  # verbatim, inside the install branch
+    after = script.split(install + "\n", 1)[1].splitlines()
+    assert any(line.strip().startswith("[[ $? == 0 ]] || {") for line in after[:3])  # a failed step stops CI
     assert script.rstrip().splitlines()[-1] == test == "python -m pytest -q"
     assert "set -euo pipefail" in script
 
