@@ -158,6 +158,11 @@ def start_process_group(device: torch.device, *, alone: bool = False) -> bool:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not alone and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group(backend)
+        if backend == "gloo":
+            # Every rank has finished gloo's handshake before any goes on: a rank that fails at once
+            # (a missing store) and exits would otherwise close its end while a peer is still
+            # connecting, and that peer dies with "Connection closed by peer" instead of its own error.
+            dist.barrier()
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return True
