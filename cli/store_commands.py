@@ -136,6 +136,13 @@ def inspect_command(store: str, as_json: bool) -> None:
             format_size(t.full_logit_bytes),
         )
     console.print(table)
+    if summary.rows_by_teachers:
+        names = {str(t.index): "+".join(t.aliases) for t in summary.teachers}
+        sets = (
+            f"{' & '.join(names[t] for t in key.split(','))} {rows:,}"
+            for key, rows in summary.rows_by_teachers.items()
+        )
+        console.print(f"rows by teachers: {'; '.join(sets)}", markup=False, overflow="fold")
     for line in _teacher_notes(summary):
         console.print(line, markup=False, overflow="fold")
     console.print(

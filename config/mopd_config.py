@@ -21,7 +21,7 @@ from mopd.base.jsonio import check_unicode, decode_text
 from mopd.base.section import NonEmpty, Section
 from mopd.config.explain import explain
 from mopd.config.overrides import apply_overrides, parse_override
-from mopd.config.precompute import DataConfig, PrecomputeConfig, RoutingConfig
+from mopd.config.precompute import DataConfig, PrecomputeConfig, RoutingConfig, alias_list
 from mopd.config.rollout import RolloutConfig, RoundsConfig
 from mopd.config.store import StoreConfig
 from mopd.config.train import TrainConfig
@@ -59,15 +59,15 @@ class MopdConfig(Section):
     @model_validator(mode="after")
     def _aliases_exist(self) -> MopdConfig:
         aliases = set(self.teachers)
-        for agent, alias in self.routing.teacher_by_agent.items():
-            if alias not in aliases:
-                raise ValueError(
-                    f"routing.teacher_by_agent.{agent}: alias {alias!r} is not in teachers "
-                    f"({', '.join(sorted(aliases))})"
-                )
-        default = self.routing.default_teacher
-        if default is not None and default not in aliases:
-            raise ValueError(f"routing.default_teacher: alias {default!r} is not in teachers")
+        routes = {f"teacher_by_agent.{agent}": a for agent, a in self.routing.teacher_by_agent.items()}
+        if self.routing.default_teacher is not None:
+            routes["default_teacher"] = self.routing.default_teacher
+        for key, value in routes.items():
+            for alias in alias_list(value):
+                if alias not in aliases:
+                    raise ValueError(
+                        f"routing.{key}: alias {alias!r} is not in teachers ({', '.join(sorted(aliases))})"
+                    )
         if self.train is not None:
             weights = self.train.teacher_weights
             for alias, weight in weights.items():
@@ -94,8 +94,9 @@ class MopdConfig(Section):
             )
         return self
 
-    def agent_to_alias(self) -> dict[str, str]:
-        """The routing table: explicit `teacher_by_agent`, else each alias routes its own name."""
+    def agent_to_alias(self) -> dict[str, str | list[str]]:
+        """The routing table: explicit `teacher_by_agent` (an alias or a list of them per agent), else
+        each alias routes its own name."""
         return dict(self.routing.teacher_by_agent) or {alias: alias for alias in self.teachers}
 
 

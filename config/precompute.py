@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal, TypeAlias
 
 from pydantic import Field
 
@@ -10,14 +10,26 @@ from mopd.base.errors import ConfigError
 from mopd.base.section import Device, NonEmpty, Section
 from mopd.config.parallel import ParallelConfig
 
+# One alias, or a list of them: a row routed to a list is scored by each of those teachers, each
+# checkpoint once (DESIGN §14; `train.ensemble` says how their distributions combine).
+Aliases: TypeAlias = NonEmpty | Annotated[list[NonEmpty], Field(min_length=1)]
+
+
+def alias_list(aliases: str | list[str]) -> list[str]:
+    """The aliases of a routing value, in the order given, each once."""
+    return list(dict.fromkeys([aliases] if isinstance(aliases, str) else aliases))
+
 
 class RoutingConfig(Section):
-    """How a row's metadata column picks its teacher alias."""
+    """How a row's metadata column picks its teacher alias (or aliases)."""
 
     field: str = "agent"
-    # agent -> alias; empty means every alias routes the agent of the same name.
-    teacher_by_agent: dict[str, str] = Field(default_factory=dict)
-    default_teacher: str | None = None
+    # agent -> alias or list of aliases; empty means every alias routes the agent of the same name.
+    teacher_by_agent: dict[str, Aliases] = Field(default_factory=dict)
+    default_teacher: Aliases | None = None
+    # A column holding a row's own list of aliases; where a row has it (not null), it is the row's
+    # teachers whatever its agent.
+    teachers_field: NonEmpty | None = None
 
 
 class DataConfig(Section):

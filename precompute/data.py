@@ -36,8 +36,9 @@ from mopd.precompute.cross_rows import (
     empty_columns,
     refuse_given_ids,
 )
-from mopd.precompute.routing import route
+from mopd.precompute.routing import route, row_set
 from mopd.precompute.row_checks import check_number_columns, check_row_format, given_ids, given_mask
+from mopd.store.format.layout import TEACHER_SET, scored_by
 
 FORMATS = ("input_ids", "messages", "prompt+completion", "text")
 _ROWS_PER_PROCESS = 10_000  # fewer rows per process than this tokenise faster in one (process start-up)
@@ -83,6 +84,14 @@ class TokenizedRows:
         self.input_ids = RaggedColumn(table.column("input_ids"), np.int64)
         self.loss_mask = RaggedColumn(table.column("loss_mask"), np.uint8)
         self.teacher_index = table.column("teacher_index").to_numpy().astype(np.int64)
+        # Each row's teachers (`store.format.layout.set_mask`); None when every row has one.
+        sets = (
+            table.column(TEACHER_SET).to_numpy().astype(np.int64)
+            if TEACHER_SET in table.column_names
+            else None
+        )
+        several = sets is not None and bool((sets & (sets - 1)).any())
+        self.teacher_set: np.ndarray | None = sets if several else None
         self.lengths = np.diff(self.input_ids.offsets)
         self.input_format: str = meta["input_format"]
         # Rows of a store with teachers of other tokenizers: the `cross_rows.CROSS_COLUMNS`, by name.
@@ -104,8 +113,10 @@ class TokenizedRows:
         teacher_index: np.ndarray,
         source_keys: Sequence[str],
         input_format: str = "input_ids",
+        teacher_set: np.ndarray | None = None,
     ) -> TokenizedRows:
         """Rows held in memory (benchmarks and tests), with the fingerprint computed as ingest does."""
+        sets = {} if teacher_set is None else {TEACHER_SET: pa.array(np.asarray(teacher_set, np.int64))}
         table = pa.table(
             {
                 "input_ids": pa.array([np.asarray(r, np.int32) for r in input_ids], pa.list_(pa.int32())),
@@ -114,6 +125,7 @@ class TokenizedRows:
                 "source_key": pa.array(list(source_keys), pa.string()),
                 "teacher_index": pa.array(np.asarray(teacher_index, np.int16)),
                 "truncated": pa.array([False] * len(input_ids)),
+                **sets,
             }
         )
         meta = {"input_format": input_format, "num_truncated": 0, "num_dropped": 0}
@@ -122,6 +134,10 @@ class TokenizedRows:
     @property
     def num_rows(self) -> int:
         return int(self.lengths.shape[0])
+
+    def rows_of(self, teacher: int) -> np.ndarray:
+        """The ids of the rows `teacher` scores, ascending."""
+        return np.flatnonzero(scored_by(self.teacher_index, self.teacher_set, teacher))
 
     def token_rows(self, own: bool) -> tuple[RaggedColumn, np.ndarray]:
         """The token rows a teacher reads and their lengths: the store's, or (`own`: a teacher of another
@@ -145,7 +161,8 @@ class TokenizedRows:
         return [str(k) for k in self.table.column("source_key").to_pylist()]
 
     def fingerprint(self) -> str:
-        """sha256 of every row's tokens, mask, teacher index and source key: the dataset's identity."""
+        """sha256 of every row's tokens, mask, teacher index (or set) and source key: the dataset's
+        identity."""
         return self._fingerprint
 
 
@@ -160,6 +177,11 @@ def rows_fingerprint(table: pa.Table) -> str:
         id_bytes = pc.list_flatten(ids).to_numpy(zero_copy_only=False).astype("<i4").tobytes()
         mask_bytes = pc.list_flatten(masks).to_numpy(zero_copy_only=False).astype(np.uint8).tobytes()
         teachers = batch.column("teacher_index").to_numpy(zero_copy_only=False).astype("<i8")
+        sets = (
+            batch.column(TEACHER_SET).to_numpy(zero_copy_only=False).astype("<i8")
+            if TEACHER_SET in batch.schema.names
+            else teachers * 0
+        )
         keys = batch.column("source_key").to_pylist()
         parts = []
         for k in range(lengths.shape[0]):
@@ -169,6 +191,8 @@ def rows_fingerprint(table: pa.Table) -> str:
                 id_bytes[4 * a : 4 * b],
                 mask_bytes[a:b],
                 teachers[k : k + 1].tobytes(),
+                # A row of several teachers adds its set (one teacher's row hashes as it always has).
+                b"" if sets[k] & (sets[k] - 1) == 0 else b"set" + sets[k : k + 1].tobytes(),
                 str(keys[k]).encode(),
                 b"\0",
             ]
@@ -291,6 +315,7 @@ ROW_FEATURES = {
     "agent": ("value", "string"),
     "source_key": ("value", "string"),
     "teacher_index": ("value", "int16"),
+    TEACHER_SET: ("value", "int64"),
     "truncated": ("value", "bool"),
 }
 
@@ -315,7 +340,7 @@ def _tokenize_batch(
     tokenizer: Any,
     data: DataConfig,
     routing: RoutingConfig,
-    agent_to_alias: Mapping[str, str],
+    agent_to_alias: Mapping[str, str | list[str]],
     alias_index: Mapping[str, int],
     contexts: Mapping[int, int],
     cross: CrossTokenizers | None = None,
@@ -328,13 +353,23 @@ def _tokenize_batch(
     names = [*ROW_FEATURES, *(CROSS_COLUMNS if cross is not None else ())]
     out: dict[str, list[Any]] = {name: [] for name in names}
     agents = [str(batch[routing.field][k]) if routing.field in batch else "" for k in range(len(indices))]
-    teachers = route(agents, routing, agent_to_alias, alias_index, row_ids=indices)
+    own = own_teachers(batch, routing, indices)
+    sets = route(agents, routing, agent_to_alias, alias_index, row_ids=indices, own=own)
+    teachers = [row[0] for row in sets]
+    if cross is not None and any(len(row) > 1 and cross.teachers.keys() & set(row) for row in sets):
+        row = next(
+            i for i, r in zip(indices, sets, strict=True) if len(r) > 1 and cross.teachers.keys() & set(r)
+        )
+        raise ConfigError(
+            f"row {row}: a row of several teachers with a teacher of another tokenizer among them is not "
+            "supported yet; route such a teacher's rows to it alone"
+        )
     for k, (i, (ids, mask)) in enumerate(
         zip(indices, tokenize_records(batch, input_format, tokenizer, indices), strict=True)
     ):
         if ids.shape[0] == 0:
             raise ConfigError(f"row {i} tokenizes to no tokens")
-        limit = min(data.max_length, contexts.get(int(teachers[k]), data.max_length))
+        limit = min([data.max_length, *(contexts.get(t, data.max_length) for t in sets[k])])
         teacher = _teacher_row(batch, k, i, int(teachers[k]), input_format, cross)
         truncated = ids.shape[0] > limit
         if data.overlong == "drop" and (truncated or (teacher is not None and teacher[0].shape[0] > limit)):
@@ -357,6 +392,24 @@ def _tokenize_batch(
         out["source_key"].append(key)
         out["truncated"].append(truncated)
         out["teacher_index"].append(int(teachers[k]))
+        out[TEACHER_SET].append(row_set(sets[k]))
+    return out
+
+
+def own_teachers(
+    batch: dict[str, list[Any]], routing: RoutingConfig, indices: list[int]
+) -> list[list[str] | None] | None:
+    """Each row's own list of aliases in the `routing.teachers_field` column (None where it has none)."""
+    if routing.teachers_field is None or routing.teachers_field not in batch:
+        return None
+    out: list[list[str] | None] = []
+    for k, value in enumerate(batch[routing.teachers_field]):
+        if value is not None and not (isinstance(value, list) and all(isinstance(a, str) for a in value)):
+            raise ConfigError(
+                f"row {indices[k]}: {routing.teachers_field} is {value!r}; it holds a list of teacher "
+                "aliases (or null to route the row by its agent)"
+            )
+        out.append(value)
     return out
 
 
@@ -417,7 +470,7 @@ def tokenize_dataset(
     *,
     data: DataConfig,
     routing: RoutingConfig,
-    agent_to_alias: Mapping[str, str],
+    agent_to_alias: Mapping[str, str | list[str]],
     alias_index: Mapping[str, int],
     tokenizer: Any,
     contexts: Mapping[int, int] | None = None,

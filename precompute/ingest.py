@@ -53,7 +53,7 @@ def ingest_key(
     *,
     data: DataConfig,
     routing: RoutingConfig,
-    agent_to_alias: Mapping[str, str],
+    agent_to_alias: Mapping[str, str | list[str]],
     alias_index: Mapping[str, int],
     tokenizer_path: str,
     contexts: Mapping[int, int],
@@ -69,16 +69,29 @@ def ingest_key(
         "max_length": data.max_length,
         "overlong": data.overlong,
         "routing_field": routing.field,
-        "teacher_by_agent": {agent: alias_index[alias] for agent, alias in sorted(agent_to_alias.items())},
-        "default_teacher": alias_index[routing.default_teacher] if routing.default_teacher else None,
+        "teacher_by_agent": {
+            agent: _indices(aliases, alias_index) for agent, aliases in sorted(agent_to_alias.items())
+        },
+        "default_teacher": _indices(routing.default_teacher, alias_index)
+        if routing.default_teacher
+        else None,
         "teacher_contexts": {str(t): n for t, n in sorted(contexts.items())},
     }
+    if routing.teachers_field is not None:
+        inputs["teachers_field"] = routing.teachers_field
     if cross_tokenizers:
         inputs["cross_tokenizers"] = {
             str(t): files_digest(Path(path), list(TOKENIZER_FILES))
             for t, path in sorted(cross_tokenizers.items())
         }
     return hashlib.sha256(canonical_json(inputs)).hexdigest()[:32], inputs
+
+
+def _indices(aliases: str | list[str], alias_index: Mapping[str, int]) -> int | list[int]:
+    """An alias's teacher index, or a list's indices (ascending, each once)."""
+    if isinstance(aliases, str):
+        return alias_index[aliases]
+    return sorted({alias_index[a] for a in aliases})
 
 
 def open_ingested(folder: Path) -> TokenizedRows:
@@ -136,7 +149,7 @@ def ingest(
     *,
     data: DataConfig,
     routing: RoutingConfig,
-    agent_to_alias: Mapping[str, str],
+    agent_to_alias: Mapping[str, str | list[str]],
     alias_index: Mapping[str, int],
     tokenizer_path: str,
     load_tokenizer: Callable[[], Any],

@@ -78,6 +78,7 @@ class StoreOutput:
                 offsets=rows.input_ids.offsets,
                 teacher_index=rows.teacher_index,
                 source_keys=rows.source_keys,
+                teacher_set=rows.teacher_set,
             )
 
     def head(self, task: HeadTask, teacher: TeacherModel) -> None:

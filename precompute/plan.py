@@ -42,12 +42,7 @@ def build_plan(
             vocab_size=teachers.vocab_size,
             fingerprint=fingerprint,
         ),
-        dataset=DatasetInfo(
-            source=config.data.path,
-            fingerprint=rows.fingerprint(),
-            num_rows=rows.num_rows,
-            num_tokens=int(rows.lengths.sum()),
-        ),
+        dataset=dataset_info(config, rows),
         teachers=[
             TeacherInfo(
                 index=s.index,
@@ -65,6 +60,7 @@ def build_plan(
             rows_per_task=config.precompute.rows_per_task,
             encoding=config.store.encoding,
             cross=teachers.cross,
+            teacher_set=rows.teacher_set,
         ),
         storage=StorageInfo(
             hidden_dtype=config.store.dtype,
@@ -92,3 +88,13 @@ def build_plan(
 def compute_dtype(settings: PrecomputeConfig) -> str:
     """The dtype the teachers compute in, as the plan records it."""
     return str(resolve_dtype(settings.dtype, resolve_device(settings.device))).removeprefix("torch.")
+
+
+def dataset_info(config: MopdConfig, rows: TokenizedRows) -> DatasetInfo:
+    return DatasetInfo(
+        source=config.data.path,
+        fingerprint=rows.fingerprint(),
+        num_rows=rows.num_rows,
+        num_tokens=int(rows.lengths.sum()),
+        teacher_sets=rows.teacher_set is not None,
+    )

@@ -140,7 +140,7 @@ def task_batches(
 ) -> list[np.ndarray]:
     """The row batches of a hidden-state task, in processing order (the same on every rank); `own`: a
     teacher of another tokenizer, whose rows are its own tokens."""
-    row_ids = shard_rows(rows.teacher_index, task)
+    row_ids = shard_rows(rows.teacher_index, task, rows.teacher_set)
     return pack_batches(row_ids, rows.token_rows(own)[1][row_ids], batch_tokens=batch_tokens)
 
 
@@ -173,7 +173,7 @@ def run_encoding_task(
     """Fits the teacher's encoding on its first rows, as many as fit in `CALIBRATION_TOKENS` (at least
     one), batched as a shard's rows are."""
     tokens, all_lengths = rows.token_rows(own)
-    row_ids = np.flatnonzero(rows.teacher_index == task.teacher)
+    row_ids = rows.rows_of(task.teacher)
     lengths = all_lengths[row_ids]
     row_ids = row_ids[: max(1, int(np.searchsorted(np.cumsum(lengths), CALIBRATION_TOKENS, side="right")))]
     calibration = Calibration()
@@ -196,7 +196,7 @@ def run_teacher_tasks(
     try:
         index = tasks[0].teacher
         tokens = rows.token_rows(own)[0]
-        first_rows = [tokens[r] for r in np.flatnonzero(rows.teacher_index == index)[:4]]
+        first_rows = [tokens[r] for r in rows.rows_of(index)[:4]]
         output.check_capture(teacher, first_rows or [rows.input_ids[0][:16]])
         for task in tasks:
             if isinstance(task, HeadTask):
@@ -297,7 +297,7 @@ def hidden_totals(todo: list[Task], rows: TokenizedRows, cross: Collection[int] 
     """Rows and tokens of the hidden-state tasks of `todo` (each row is in exactly one such task), in
     the tokens each teacher reads (`cross`: the teachers of other tokenizers)."""
     shards = [t for t in todo if isinstance(t, ShardTask)]
-    row_ids = [shard_rows(rows.teacher_index, t) for t in shards]
+    row_ids = [shard_rows(rows.teacher_index, t, rows.teacher_set) for t in shards]
     return {
         "total_rows": sum(r.shape[0] for r in row_ids),
         "total_tokens": sum(

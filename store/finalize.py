@@ -11,7 +11,7 @@ from mopd.base.errors import StoreIntegrityError
 from mopd.base.fsio import safe_relative
 from mopd.store.arrays.binding import Recorded
 from mopd.store.arrays.read import ArrayReader
-from mopd.store.format.layout import ROW_IDS, TEACHER_INDEX
+from mopd.store.format.layout import ROW_IDS, TEACHER_INDEX, TEACHER_SET, scored_by
 from mopd.store.format.loading import load_manifest
 from mopd.store.format.manifest import (
     CROSS_TOKENIZER,
@@ -19,6 +19,7 @@ from mopd.store.format.manifest import (
     FORMAT_VERSION,
     INT8_ROTATED,
     MANIFEST_FILE,
+    TEACHER_SETS,
     ArtifactRecord,
     EncodingArtifact,
     EncodingTask,
@@ -53,13 +54,15 @@ def check_coverage(root: Location, plan: Plan, parts: Mapping[str, PartRecord]) 
         StoreIntegrityError: naming the teacher and the first rows missing or stored twice.
     """
     rows_task = next(t for t in plan.tasks if isinstance(t, RowsTask))
-    teacher_index = _read_all(root, rows_task.path, TEACHER_INDEX, parts[rows_task.task_id], plan)
+    part = parts[rows_task.task_id]
+    teacher_index = _read_all(root, rows_task.path, TEACHER_INDEX, part, plan)
+    sets = _read_all(root, rows_task.path, TEACHER_SET, part, plan) if plan.dataset.teacher_sets else None
     if teacher_index.shape[0] != plan.dataset.num_rows:
         raise StoreIntegrityError(
             f"rows hold {teacher_index.shape[0]} rows, the plan has {plan.dataset.num_rows}"
         )
     for teacher in plan.teachers:
-        expected = np.flatnonzero(teacher_index == teacher.index)
+        expected = np.flatnonzero(scored_by(teacher_index, sets, teacher.index))
         stored = []
         for task in plan.tasks:
             if not isinstance(task, ShardTask) or task.teacher != teacher.index:
@@ -114,9 +117,11 @@ def _artifact(task: TaskSpec, part: PartRecord, part_sha256: str) -> ArtifactRec
 
 
 def required_features(plan: Plan) -> list[str]:
-    """What a reader must know to read the store: its encoding, teachers of other tokenizers."""
+    """What a reader must know to read the store: its encoding, teachers of other tokenizers, rows of
+    several teachers."""
     features = [INT8_ROTATED] if plan.storage.encoding == INT8_ROTATED else []
-    return features + ([CROSS_TOKENIZER] if any(t.tokenizer is not None for t in plan.teachers) else [])
+    features += [CROSS_TOKENIZER] if any(t.tokenizer is not None for t in plan.teachers) else []
+    return features + ([TEACHER_SETS] if plan.dataset.teacher_sets else [])
 
 
 def build_manifest(

@@ -37,9 +37,11 @@ from mopd.store.format.layout import (
     STUDENT_SPAN,
     TARGET,
     TEACHER_INDEX,
+    TEACHER_SET,
     TEACHER_SPAN,
     TOKEN_IDS,
     WEIGHT,
+    set_members,
 )
 from mopd.store.format.loading import part_key, read_manifest, read_record
 from mopd.store.format.manifest import EncodingInfo, PartRecord, ShardArtifact, TeacherEntry, parse_part
@@ -62,7 +64,8 @@ class Row:
 
     input_ids: torch.Tensor  # [L] int64
     loss_mask: torch.Tensor  # [L] bool
-    teacher_index: int
+    teacher_index: int  # its teacher (of several, the lowest index)
+    teachers: tuple[int, ...] = ()  # every teacher that scores it, ascending (DESIGN §14)
 
 
 class TeacherStore:
@@ -158,8 +161,20 @@ class TeacherStore:
 
     @property
     def teacher_indices(self) -> np.ndarray:
-        """[R] teacher index of every row."""
+        """[R] teacher index of every row (of a row of several, the lowest)."""
         return self._row_arrays[2]
+
+    @cached_property
+    def teacher_sets(self) -> np.ndarray | None:
+        """[R] each row's teachers as `layout.set_mask` bits; None in a store whose rows have one each."""
+        if not self.manifest.dataset.teacher_sets:
+            return None
+        return self._array(self.manifest.rows.path, TEACHER_SET).read().astype(np.int64)
+
+    def teachers_of(self, i: int) -> tuple[int, ...]:
+        """The teachers that score row i, ascending."""
+        sets = self.teacher_sets
+        return (int(self.teacher_indices[i]),) if sets is None else set_members(int(sets[i]))
 
     @property
     def lengths(self) -> np.ndarray:
@@ -180,11 +195,10 @@ class TeacherStore:
             Row(
                 input_ids=torch.from_numpy(row_ids.astype(np.int64)),
                 loss_mask=torch.from_numpy(row_mask.astype(bool)),
-                teacher_index=int(teacher),
+                teacher_index=int(teacher_index[i]),
+                teachers=self.teachers_of(int(i)),
             )
-            for row_ids, row_mask, teacher in zip(
-                np.split(ids, cuts), np.split(mask, cuts), teacher_index[indices], strict=True
-            )
+            for row_ids, row_mask, i in zip(np.split(ids, cuts), np.split(mask, cuts), indices, strict=True)
         ]
 
     def _checked(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -195,17 +209,22 @@ class TeacherStore:
         return indices
 
     @cached_property
-    def _row_locations(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per row: which shard (index into manifest.shards) holds it, and where its states start and
-        stop in that shard's `hidden`. Read once, from every shard's row ids and offsets."""
-        shard_of = np.full(self.num_rows, -1, dtype=np.int64)
-        starts = np.zeros(self.num_rows, dtype=np.int64)
-        stops = np.zeros(self.num_rows, dtype=np.int64)
+    def _row_locations(self) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per teacher, per row: which of its shards (index into manifest.shards) holds the row's states
+        (−1: none), and where they start and stop in that shard's `hidden`. Read once, from every shard's
+        row ids and offsets."""
+        out = {}
+        for t in self._teachers:
+            shard_of = np.full(self.num_rows, -1, dtype=np.int64)
+            starts = np.zeros(self.num_rows, dtype=np.int64)
+            stops = np.zeros(self.num_rows, dtype=np.int64)
+            out[t] = shard_of, starts, stops
         for k, shard in enumerate(self.manifest.shards):
+            shard_of, starts, stops = out[shard.teacher]
             row_ids = self._array(shard.path, ROW_IDS).read().astype(np.int64)
             offsets = self._array(shard.path, OFFSETS).read().astype(np.int64)
             shard_of[row_ids], starts[row_ids], stops[row_ids] = k, offsets[:-1], offsets[1:]
-        return shard_of, starts, stops
+        return out
 
     def hidden(self, i: int) -> torch.Tensor:
         """The row's stored teacher hidden states, [L, H], in the stored logical dtype (`store.dtype`; an
@@ -232,23 +251,34 @@ class TeacherStore:
         states = coded[0].decode(torch.from_numpy(codes), torch.from_numpy(scales))
         return states.to(TORCH_DTYPES[self.manifest.storage.hidden_dtype])
 
-    def hiddens(self, indices: Sequence[int] | np.ndarray) -> list[torch.Tensor]:
-        """The hidden states of rows `indices`, in that order; one gather per shard they fall in, so each
-        stored chunk is decoded at most once."""
+    def hiddens(self, indices: Sequence[int] | np.ndarray, teacher: int | None = None) -> list[torch.Tensor]:
+        """The hidden states of rows `indices` (those of `teacher`, which must score each; default each
+        row's teacher index), in that order; one gather per shard they fall in, so each stored chunk is
+        decoded at most once."""
         indices = self._checked(indices)
-        shard_of, starts, stops = self._row_locations
-        orphans = indices[shard_of[indices] < 0]
+        locations = self._row_locations
+        if teacher is None:
+            teachers = self.teacher_indices[indices]
+            where_of = {t: locations[t] for t in np.unique(teachers).tolist()}
+            shard_of = np.full(indices.shape[0], -1, dtype=np.int64)
+            starts, stops = np.zeros_like(shard_of), np.zeros_like(shard_of)
+            for t, (shards, first, last) in where_of.items():
+                mine = teachers == t
+                shard_of[mine], starts[mine], stops[mine] = (a[indices[mine]] for a in (shards, first, last))
+        else:
+            self.teacher(teacher)
+            shard_of, starts, stops = (a[indices] for a in locations[teacher])
+        orphans = indices[shard_of < 0]
         if orphans.size:
             raise StoreIntegrityError(f"row {int(orphans[0])} is in no shard of the manifest")
         out: list[torch.Tensor] = [torch.empty(0)] * indices.shape[0]
 
         def read(k: int) -> tuple[np.ndarray, list[torch.Tensor]]:
-            where = np.flatnonzero(shard_of[indices] == k)
-            rows = indices[where]
-            states = self._states(self.manifest.shards[k], starts[rows], stops[rows])
-            return where, list(states.split((stops - starts)[rows].tolist()))
+            where = np.flatnonzero(shard_of == k)
+            states = self._states(self.manifest.shards[k], starts[where], stops[where])
+            return where, list(states.split((stops - starts)[where].tolist()))
 
-        for where, parts in _fanout().map(read, np.unique(shard_of[indices]).tolist()):
+        for where, parts in _fanout().map(read, np.unique(shard_of).tolist()):
             for position, part in zip(where.tolist(), parts, strict=True):
                 out[position] = part
         return out
@@ -295,7 +325,7 @@ class TeacherStore:
             ValueError: the row's teacher shares the store's tokenizer.
         """
         shard, student = self._aligned_row(i)
-        _, token_starts, token_stops = self._row_locations
+        _, token_starts, token_stops = self._row_locations[shard.teacher]
         own = slice(int(token_starts[i]), int(token_stops[i]))
         read = lambda name, span: self._array(shard.path, name).read(span.start, span.stop)  # noqa: E731
         return StoredAlignment(

@@ -1,12 +1,17 @@
-"""What `mopd inspect` shows: per-teacher rows, tokens and bytes of a finalized store, and in an
-int8-rotated store what each teacher's encoding measured."""
+"""What `mopd inspect` shows: per-teacher rows, tokens and bytes of a finalized store, in an int8-rotated
+store what each teacher's encoding measured, and in a store of rows of several teachers, the rows of
+each set."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from mopd.store.arrays.write import storage_dtype
+from mopd.store.format.layout import set_members
 from mopd.store.format.loading import part_key, read_calibration, read_manifest, read_record
 from mopd.store.format.manifest import EncodingInfo, Manifest, aligned_shares, parse_part
 from mopd.store.locations.location import Location, open_location
@@ -49,6 +54,9 @@ class StoreSummary:
     tokens: int
     vocab_size: int  # the tokenizer's tokens; each teacher's output layer may pad past them
     teachers: list[TeacherSummary]
+    # A store whose rows may have several teachers (DESIGN §14): the rows of each set of teacher
+    # indices (one-teacher sets too), by set; empty in a store whose rows have one teacher each.
+    rows_by_teachers: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def stored_bytes(self) -> int:
@@ -110,4 +118,16 @@ def summarise_store(root: str | Path) -> StoreSummary:
         tokens=manifest.dataset.num_tokens,
         vocab_size=manifest.tokenizer.vocab_size,
         teachers=teachers,
+        rows_by_teachers=_rows_by_teachers(location) if manifest.dataset.teacher_sets else {},
     )
+
+
+def _rows_by_teachers(location: Location) -> dict[str, int]:
+    """The store's rows of each set of teachers, keyed by their indices joined by `,`, in index order."""
+    from mopd.store.reader import TeacherStore
+
+    sets = TeacherStore(location).teacher_sets
+    assert sets is not None
+    masks, counts = np.unique(sets, return_counts=True)
+    found = {set_members(int(m)): int(c) for m, c in zip(masks, counts, strict=True)}
+    return {",".join(map(str, t)): found[t] for t in sorted(found, key=lambda t: (len(t), t))}

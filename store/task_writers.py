@@ -31,6 +31,7 @@ from mopd.store.format.layout import (
     STUDENT_SPAN,
     TARGET,
     TEACHER_INDEX,
+    TEACHER_SET,
     TEACHER_SPAN,
     TOKEN_IDS,
     WEIGHT,
@@ -70,8 +71,10 @@ def write_rows(
     offsets: np.ndarray,
     teacher_index: np.ndarray,
     source_keys: Sequence[str],
+    teacher_set: np.ndarray | None = None,
 ) -> None:
-    """Writes every row's tokens, loss mask, teacher index and source key. Tokens and masks come packed
+    """Writes every row's tokens, loss mask, teacher index (with `teacher_set`, each row's set of
+    teachers too) and source key. Tokens and masks come packed
     end to end, in pieces of any size (row i is values[offsets[i]:offsets[i + 1]], see `pack_rows`), and
     are streamed to the store, so memory stays bounded by a piece and a chunk whatever the row count.
 
@@ -79,7 +82,7 @@ def write_rows(
     """
     offsets = np.asarray(offsets, dtype=np.int64)
     num_rows, num_tokens = offsets.shape[0] - 1, int(offsets[-1])
-    arrays = rows_arrays(num_rows, num_tokens)
+    arrays = rows_arrays(num_rows, num_tokens, teacher_set is not None)
     for spec, pieces in ((arrays[INPUT_IDS], input_ids), (arrays[LOSS_MASK], loss_mask)):
         appender = output.appender(spec)
         for piece in pieces:
@@ -87,6 +90,8 @@ def write_rows(
         appender.close()  # raises unless exactly num_tokens values came
     output.write(arrays[OFFSETS], offsets)
     output.write(arrays[TEACHER_INDEX], np.asarray(teacher_index, dtype=np.int16))
+    if teacher_set is not None:
+        output.write(arrays[TEACHER_SET], np.asarray(teacher_set, dtype=np.int64))
     output.write_strings(arrays[SOURCE_KEY], [str(key) for key in source_keys])
     output.num_rows = num_rows
     output.num_tokens = num_tokens

@@ -336,20 +336,29 @@ def check_routing(manifest: Manifest, routing: Mapping[str, Any], teachers: Mapp
         ({alias: s.index for s in assign_teacher_indices(teachers) for alias in s.aliases}, routing),
     )
 
-    def resolve(side: int, alias: str | None) -> tuple[int | None, str]:
-        """(teacher index, how to show it) of an alias on one side: the store (0) or the config (1)."""
-        index = sides[side][0].get(alias) if alias is not None else None
-        return index, ("none" if alias is None else f"teacher {index} (alias {alias!r})")
+    def resolve(side: int, aliases: str | list[str] | None) -> tuple[list[int | None] | None, str]:
+        """(teacher indices, how to show them) of an alias or a list of them on one side: the store (0)
+        or the config (1)."""
+        if aliases is None:
+            return None, "none"
+        if isinstance(aliases, str):
+            index = sides[side][0].get(aliases)
+            return [index], f"teacher {index} (alias {aliases!r})"
+        found = {a: sides[side][0].get(a) for a in aliases}
+        indices = sorted(set(found.values()), key=lambda i: -1 if i is None else i)
+        shown = ", ".join(f"{a!r}" for a in found)
+        return indices, f"teachers {', '.join(str(i) for i in indices)} (aliases {shown})"
 
     def routed(side: int) -> dict[str, str]:
         index, section = sides[side]
         return dict(section.get("teacher_by_agent") or {alias: alias for alias in index})
 
     problems = []
-    if stored.get("field") != routing.get("field"):
-        problems.append(
-            f"routing.field: {stored.get('field')!r} in the store, {routing.get('field')!r} in the config"
-        )
+    for field in ("field", "teachers_field"):
+        if stored.get(field) != routing.get(field):
+            problems.append(
+                f"routing.{field}: {stored.get(field)!r} in the store, {routing.get(field)!r} in the config"
+            )
     old_agents, new_agents = routed(0), routed(1)
     pairs = [
         (f"teacher_by_agent.{agent}", old_agents.get(agent), new_agents.get(agent))
@@ -358,7 +367,7 @@ def check_routing(manifest: Manifest, routing: Mapping[str, Any], teachers: Mapp
     pairs.append(("default_teacher", stored.get("default_teacher"), routing.get("default_teacher")))
     for key, old_alias, new_alias in pairs:
         (old, old_text), (new, new_text) = resolve(0, old_alias), resolve(1, new_alias)
-        if old != new or (old_alias is None) != (new_alias is None):
+        if old != new:
             problems.append(f"routing.{key}: {old_text} in the store, {new_text} in the config")
     return problems
 

@@ -4,6 +4,8 @@ spelt anywhere else.
 
     rows/                      input_ids [T] int32, loss_mask [T] uint8, offsets [R+1] int64,
                                teacher_index [R] int16, source_key [R] string
+                               (a store whose rows may have several teachers: teacher_set [R] int64,
+                               bit t set where teacher t scores the row; teacher_index its lowest)
     teachers/{t}/lm_head       [V, H] (the folder is the array)
     teachers/{t}/shards/shard_{s:06d}/
                                hidden [T_s, H], offsets [R_s+1] int64, row_ids [R_s] int64
@@ -51,6 +53,7 @@ INPUT_IDS, LOSS_MASK, OFFSETS, TEACHER_INDEX, SOURCE_KEY = (
     "teacher_index",
     "source_key",
 )
+TEACHER_SET = "teacher_set"
 HIDDEN, ROW_IDS = "hidden", "row_ids"
 TOKEN_IDS, ALIGNED, STUDENT_SPAN, TEACHER_SPAN = "token_ids", "aligned", "student_span", "teacher_span"
 CODES, SCALES = "codes", "scales"
@@ -68,15 +71,39 @@ class ArraySpec:
     shape: tuple[int, ...]
 
 
-def rows_arrays(num_rows: int, num_tokens: int) -> dict[str, ArraySpec]:
+def rows_arrays(num_rows: int, num_tokens: int, teacher_sets: bool = False) -> dict[str, ArraySpec]:
     """The rows task's arrays. `loss_mask[t] = 1`: the prediction made at position t (of token t+1) trains."""
-    return {
+    arrays = {
         INPUT_IDS: ArraySpec(INPUT_IDS, "int32", (num_tokens,)),
         LOSS_MASK: ArraySpec(LOSS_MASK, "uint8", (num_tokens,)),
         OFFSETS: ArraySpec(OFFSETS, "int64", (num_rows + 1,)),
         TEACHER_INDEX: ArraySpec(TEACHER_INDEX, "int16", (num_rows,)),
         SOURCE_KEY: ArraySpec(SOURCE_KEY, "string", (num_rows,)),
     }
+    if teacher_sets:
+        arrays[TEACHER_SET] = ArraySpec(TEACHER_SET, "int64", (num_rows,))
+    return arrays
+
+
+# A row's teachers as a set: bit t of an int64 for teacher t, so a row may name teachers 0 … 62.
+MAX_SET_TEACHER = 62
+
+
+def set_mask(teachers: Collection[int]) -> int:
+    """The bits of a set of teacher indices (each ≤ MAX_SET_TEACHER)."""
+    return sum(1 << t for t in set(teachers))
+
+
+def set_members(mask: int) -> tuple[int, ...]:
+    """The teacher indices of a set's bits, ascending."""
+    return tuple(t for t in range(MAX_SET_TEACHER + 1) if mask >> t & 1)
+
+
+def scored_by(teacher_index: np.ndarray, teacher_set: np.ndarray | None, teacher: int) -> np.ndarray:
+    """[R] bool: the rows teacher `teacher` scores (its own, or those whose set names it)."""
+    if teacher_set is None:
+        return teacher_index == teacher
+    return (teacher_set >> teacher) & 1 == 1
 
 
 def head_array(vocab_size: int, hidden_size: int, dtype: str) -> ArraySpec:
@@ -156,7 +183,8 @@ def projection_arrays(num_entries: int) -> dict[str, ArraySpec]:
 def artifact_arrays(artifact: ArtifactRecord, manifest: Manifest) -> list[ArraySpec]:
     """Every array a published task holds, with the shape the manifest implies."""
     if isinstance(artifact, RowsArtifact):
-        return list(rows_arrays(manifest.dataset.num_rows, manifest.dataset.num_tokens).values())
+        dataset = manifest.dataset
+        return list(rows_arrays(dataset.num_rows, dataset.num_tokens, dataset.teacher_sets).values())
     teacher = next(t for t in manifest.teachers if t.index == artifact.teacher)
     if isinstance(artifact, HeadArtifact):
         return [head_array(teacher.vocab_size, teacher.hidden_size, teacher.dtype)]
@@ -200,14 +228,16 @@ def plan_tasks(
     rows_per_task: int,
     encoding: str = EXACT,
     cross: Collection[int] = (),
+    teacher_set: np.ndarray | None = None,
 ) -> list[TaskSpec]:
     """The deterministic task list: the rows, one LM head per teacher (and its projection, for a
     teacher of another tokenizer: `cross`), and hidden-state shards (in an int8-rotated store, each
     teacher's encoding before its shards).
 
-    Teacher i's rows (in row order) are cut into blocks of `rows_per_task`; block s is shard s and
-    covers the global row range from its first row to one past its last. A teacher with no rows has no
-    shard, nor an encoding. A pure function of (teacher index per row, teacher count, block size, encoding).
+    Teacher i's rows (in row order: those routed to it, or with `teacher_set` those whose set names it)
+    are cut into blocks of `rows_per_task`; block s is shard s and covers the global row range from its
+    first row to one past its last. A teacher with no rows has no shard, nor an encoding. A pure function
+    of (the teachers of each row, teacher count, block size, encoding).
     """
     if rows_per_task <= 0:
         raise ValueError(f"rows_per_task must be positive, got {rows_per_task}")
@@ -226,7 +256,7 @@ def plan_tasks(
                     teacher=teacher,
                 )
             )
-        rows = np.flatnonzero(teacher_index == teacher)
+        rows = np.flatnonzero(scored_by(teacher_index, teacher_set, teacher))
         if encoding != EXACT and rows.shape[0]:
             tasks.append(
                 EncodingTask(
@@ -248,7 +278,10 @@ def plan_tasks(
     return tasks
 
 
-def shard_rows(teacher_index: np.ndarray, task: ShardTask) -> np.ndarray:
+def shard_rows(
+    teacher_index: np.ndarray, task: ShardTask, teacher_set: np.ndarray | None = None
+) -> np.ndarray:
     """Global ids of the rows a shard task stores, in row order."""
-    window = teacher_index[task.row_start : task.row_stop]
-    return np.flatnonzero(window == task.teacher) + task.row_start
+    window = slice(task.row_start, task.row_stop)
+    sets = None if teacher_set is None else teacher_set[window]
+    return np.flatnonzero(scored_by(teacher_index[window], sets, task.teacher)) + task.row_start

@@ -32,7 +32,9 @@ EXACT, INT8_ROTATED = "exact", "int8-rotated"
 # A store with teachers of other tokenizers (DESIGN §13): their shards hold their own token rows and the
 # alignment of each row's two tokenisations.
 CROSS_TOKENIZER = "cross-tokenizer"
-KNOWN_FEATURES: frozenset[str] = frozenset({INT8_ROTATED, CROSS_TOKENIZER})
+# A store whose rows may have several teachers (DESIGN §14): its rows hold each row's set.
+TEACHER_SETS = "teacher-sets"
+KNOWN_FEATURES: frozenset[str] = frozenset({INT8_ROTATED, CROSS_TOKENIZER, TEACHER_SETS})
 
 MANIFEST_FILE = "manifest.json"
 CALIBRATION_FILE = "calibration.json"  # an encoding task's `EncodingInfo`, in its folder
@@ -156,10 +158,14 @@ class TeacherEntry(TeacherInfo, HeadInfo):
 
 
 class DatasetInfo(_Record):
+    OMITTED_AT_DEFAULT = ("teacher_sets",)
+
     source: str
     fingerprint: str
     num_rows: Count
     num_tokens: Count
+    # Some row has several teachers: the rows hold each row's set (`layout.TEACHER_SET`).
+    teacher_sets: StrictBool = False
 
 
 class StorageInfo(_Record):

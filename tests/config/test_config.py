@@ -118,6 +118,18 @@ def test_routing_to_unknown_alias(tmp_path: Path) -> None:
         load_config(write(tmp_path, text))
 
 
+def test_routing_to_a_list_of_aliases(tmp_path: Path) -> None:
+    """A list routes to several teachers; each alias in it must exist, and a list is never empty."""
+    teachers = "routing: {teacher_by_agent: {algebra: [math, code]}, default_teacher: [code]}\n"
+    config = load_config(write(tmp_path, BASE + teachers))
+    assert config.routing.teacher_by_agent == {"algebra": ["math", "code"]}
+    text = BASE + "routing: {default_teacher: [math, mathh]}\n"
+    with pytest.raises(ConfigError, match=r"routing.default_teacher: alias 'mathh' is not in teachers"):
+        load_config(write(tmp_path, text))
+    with pytest.raises(ConfigError, match=r"routing.teacher_by_agent.algebra"):
+        load_config(write(tmp_path, BASE + "routing: {teacher_by_agent: {algebra: []}}\n"))
+
+
 def test_unreadable_yaml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(write(tmp_path, "teachers: [unclosed\n"))

@@ -115,9 +115,30 @@ def test_every_file_format_loads(tmp_path: Path) -> None:
 
 def test_routing_default_and_unknown_agent() -> None:
     routing = RoutingConfig(default_teacher="b")
-    assert route(["a", "zzz"], routing, {"a": "a"}, {"a": 0, "b": 1}).tolist() == [0, 1]
+    assert route(["a", "zzz"], routing, {"a": "a"}, {"a": 0, "b": 1}) == [(0,), (1,)]
     with pytest.raises(ConfigError, match=r"row 1: agent 'zzz' has no teacher"):
         route(["a", "zzz"], RoutingConfig(), {"a": "a"}, {"a": 0})
+
+
+def test_routing_to_sets_takes_each_teacher_once_and_a_rows_own_list_first() -> None:
+    routing = RoutingConfig(teachers_field="teachers")
+    table = {"a": ["x", "y", "x"], "b": "y"}
+    index = {"x": 1, "x2": 1, "y": 0}
+    own = [None, ["x2", "x"], None]
+    assert route(["a", "a", "b"], routing, table, index, own=own) == [(0, 1), (1,), (0,)]
+    with pytest.raises(ConfigError, match=r"row 7: its teachers list names alias 'z', not one of"):
+        route(["a"], routing, table, index, row_ids=[7], own=[["x", "z"]])
+    with pytest.raises(ConfigError, match=r"row 0: its teachers list is empty; correct the dataset"):
+        route(["a"], routing, table, index, own=[[]])
+    many = {f"t{i}": i for i in range(64)}
+    with pytest.raises(ConfigError, match=r"row 0 has several teachers \(t0, t63\).* at most 63 teachers"):
+        route(["a"], routing, {"a": ["t0", "t63"]}, many)
+
+
+def test_a_rows_list_that_is_not_a_list_of_aliases_is_named() -> None:
+    batch = {"teachers": [["x"], "x"]}
+    with pytest.raises(ConfigError, match=r"row 5: teachers is 'x'; it holds a list of teacher aliases"):
+        data.own_teachers(batch, RoutingConfig(teachers_field="teachers"), [4, 5])
 
 
 def reference_fingerprint(rows: TokenizedRows) -> str:

@@ -156,8 +156,8 @@ def test_a_deleted_or_altered_object_is_named(small_spec: StoreSpec, s3_bucket: 
     obstore.delete(location.store, f"{gone.path}/{HIDDEN}/c/0/0")
 
     store = open_store(remote.root)
-    shard_of = store._row_locations[0]
     for artifact, position in ((gone, 0), (changed, 1)):
+        shard_of = store._row_locations[artifact.teacher][0]
         row = int(np.flatnonzero(shard_of == position)[0])
         with pytest.raises(StoreIntegrityError, match=f"{artifact.path}/{HIDDEN}"):
             store.hidden(row)
@@ -175,7 +175,7 @@ def test_a_replaced_object_is_refused_while_a_reader_holds_it(small_spec: StoreS
     build_store(remote)
     store = open_store(remote.root)
     shard = store.manifest.shards[0]
-    rows = np.flatnonzero(store._row_locations[0] == 0)
+    rows = np.flatnonzero(store._row_locations[shard.teacher][0] == 0)
     store.hidden(int(rows[0]))
     location = Bucket(remote.root)
     key = f"{shard.path}/{HIDDEN}/c/0/0"
@@ -209,7 +209,7 @@ def test_a_steps_chunks_of_one_shard_come_in_one_request(
         spec = dataclasses.replace(small_spec, root=f"{counted.bucket()}/teachers.zarr", chunk_bytes=512)
         build_store(spec)
         store = open_store(spec.root)
-        shard_of = store._row_locations[0]
+        shard_of = store._row_locations[store.manifest.shards[0].teacher][0]
         rows = np.flatnonzero(shard_of == 0)
         store.hidden(int(rows[0]))  # the shard's header, checksum list and index, read once
         store.cache.chunks.clear()
