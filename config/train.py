@@ -82,6 +82,15 @@ class CrossTokenizerConfig(Section):
     span_weight: float = Field(1.0, ge=0.0)
 
 
+class EnsembleConfig(Section):
+    """How the teachers of a row routed to several combine at each token (DESIGN §14, docs/ensembles.md),
+    each weighted by its `train.teacher_weights`: `mixture` distils Σ_k w_k p_k; `sum` is Σ_k w_k D(p_k,
+    q); `min_ce` takes the teacher most likely to emit the row's next token; `confidence` mixes with
+    weights w_k · (each teacher's probability of its own top token)."""
+
+    method: Literal["mixture", "sum", "min_ce", "confidence"] = "mixture"
+
+
 class TrainConfig(Section):
     student: NonEmpty
     # Start this (new) run from another run's checkpoint: its weights, and with optimizer: true its
@@ -93,6 +102,7 @@ class TrainConfig(Section):
     parallel: StudentParallelConfig = StudentParallelConfig()
     divergence: DivergenceConfig = DivergenceConfig()
     teacher_weights: dict[str, float] = Field(default_factory=dict)
+    ensemble: EnsembleConfig = EnsembleConfig()
     cross_tokenizer: CrossTokenizerConfig = CrossTokenizerConfig()
     lm_head_lifecycle: Literal["none", "offload", "evict"] = "offload"
     optim: OptimConfig = OptimConfig()

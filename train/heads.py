@@ -152,3 +152,29 @@ class TeacherHeads:
         finally:
             self._resident.discard(teacher)
             del head
+
+    @contextmanager
+    def use_set(self, teachers: list[int]) -> Iterator[dict[int, torch.Tensor]]:
+        """The heads of `teachers` on the device together for the duration of the block: the tokens of
+        several teachers need them at once (under `offload` and `evict`, their bytes together)."""
+        missing = sorted(set(teachers) - set(self.teachers))
+        if missing:
+            raise KeyError(f"teacher {missing[0]} has no head here (teachers: {self.teachers})")
+        if self.lifecycle == "none":
+            yield {t: self._kept[t] for t in teachers}
+            return
+        if self._resident:
+            raise RuntimeError(f"head {sorted(self._resident)} is still on the device; one use at a time")
+        heads = {
+            t: (self._kept[t] if self.lifecycle == "offload" else self._read(t)).to(
+                self.device, non_blocking=True
+            )
+            for t in teachers
+        }
+        self._resident.update(teachers)
+        self.peak_resident = max(self.peak_resident, len(self._resident))
+        try:
+            yield heads
+        finally:
+            self._resident.clear()
+            del heads

@@ -8,7 +8,7 @@ and for teachers of other tokenizers the span log-likelihood match) on this rank
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -16,17 +16,19 @@ import torch.distributed as dist
 
 from mopd.base.errors import ConfigError
 from mopd.config.train import DivergenceConfig
+from mopd.store.format.layout import set_members
 from mopd.store.format.manifest import Manifest
 from mopd.train.backends.groups import RankGroup
 from mopd.train.backends.protocol import TrainStudent
 from mopd.train.data.loader import MicroBatch, Spans
+from mopd.train.ensembles import EnsembleLoss, ensemble_loss
 from mopd.train.heads import TeacherHeads
 from mopd.train.kernel.chunk_chain import chunk_size_for, should_compile
 from mopd.train.kernel.divergence import linear_divergence
 from mopd.train.kernel.labels import linear_cross_entropy
 from mopd.train.kernel.projected import projected_divergence
 from mopd.train.kernel.spans import span_likelihood_match, span_sums, teacher_log_probs
-from mopd.train.report.metrics import DivergenceStats
+from mopd.train.report.metrics import DivergenceStats, set_key
 
 
 class Terms(NamedTuple):
@@ -36,6 +38,10 @@ class Terms(NamedTuple):
     per_token: torch.Tensor  # [N] each trained token's divergence, before any weighting
     ce: torch.Tensor | None  # the hard-label CE term before ce_weight (None when ce_weight is 0)
     span: torch.Tensor | None = None  # the span term before its weight (None: no trained span)
+    # Tokens of several teachers (`ensembles.EnsembleLoss`): the values to report, each with the set
+    # (bits) of its target, and each teacher's share at the tokens it scores.
+    reported: tuple[torch.Tensor, torch.Tensor] | None = None
+    shares: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def teacher_weights(manifest: Manifest, by_alias: dict[str, float]) -> dict[int, float]:
@@ -74,8 +80,10 @@ class Objective:
         vocab_slice: tuple[int, int],
         device: torch.device,
         span_weight: float = 0.0,
+        ensemble: str = "mixture",
     ) -> None:
         self.cfg, self.heads, self.vocab_size = cfg, heads, vocab_size
+        self.ensemble = ensemble  # train.ensemble.method, for tokens of several teachers
         self.span_weight = span_weight  # train.cross_tokenizer.span_weight
         # The config's "auto" settings, resolved once for the device the student computes on.
         self.chunk_size = chunk_size_for(cfg.chunk_size, device)
@@ -104,7 +112,11 @@ class Objective:
             compiled=self.compiled,
             **self.shard,
         )
-        if self.heads.all_on_device and not self.heads.projections:
+        ensemble = None
+        if mb.teacher_set is not None:
+            ensemble = self._ensemble(hidden_NH, head, mb, norm_N, options)
+            loss, per_token, span = ensemble.loss, ensemble.per_token, None
+        elif self.heads.all_on_device and not self.heads.projections:
             out = linear_divergence(
                 hidden_NH,
                 head,
@@ -121,6 +133,7 @@ class Objective:
         if span is not None:
             loss = loss + self.span_weight * span
             span = span.detach()
+        ce = None
         if cfg.ce_weight > 0:
             ce = linear_cross_entropy(
                 hidden_NH,
@@ -132,8 +145,38 @@ class Objective:
                 **self.shard,
             )
             loss = loss + cfg.ce_weight * ce.loss
-            return Terms(loss, per_token, ce.loss.detach(), span)
-        return Terms(loss, per_token, None, span)
+        reported = None if ensemble is None else ensemble.reported
+        shares = None if ensemble is None else ensemble.shares
+        return Terms(loss, per_token, None if ce is None else ce.loss.detach(), span, reported, shares)
+
+    def _ensemble(
+        self,
+        hidden_NH: torch.Tensor,
+        head: torch.Tensor,
+        mb: MicroBatch,
+        norm_N: torch.Tensor,
+        options: dict[str, Any],
+    ) -> EnsembleLoss:
+        """Tokens of several teachers (`ensembles`), every head of the microbatch's teachers on the
+        device together."""
+        teachers = sorted(mb.teacher_hidden)
+        if self.heads.projections.keys() & set(teachers):
+            raise ConfigError(
+                "a store whose rows have several teachers with a teacher of another tokenizer is not "
+                "supported yet; give that teacher a store of its own"
+            )
+        with self.heads.use_set(teachers) as heads:
+            return ensemble_loss(
+                self.ensemble,
+                hidden_NH,
+                head,
+                mb,
+                norm_N,
+                self.weight_of,
+                heads,
+                self.heads.transforms,
+                options,
+            )
 
     def _by_teacher(
         self,
@@ -221,20 +264,39 @@ class Objective:
 
 
 class StepStats:
-    """Sums over trained tokens, per teacher, reduced over the data-parallel ranks."""
+    """Sums over trained tokens, per teacher (and per set of teachers whose mixture is a target, after
+    the teachers: `sets`, as `layout.set_mask` bits), reduced over the data-parallel ranks."""
 
-    def __init__(self, num_teachers: int, cross: Collection[int] = ()) -> None:
+    def __init__(self, num_teachers: int, cross: Collection[int] = (), sets: Sequence[int] = ()) -> None:
         self.local_nonfinite = 0.0  # this rank's own count, kept through `reduce`
-        self.sums = torch.zeros(num_teachers, dtype=torch.float64)
-        self.counts = torch.zeros(num_teachers, dtype=torch.float64)
+        self.num_teachers = num_teachers
+        self.labels = [str(t) for t in range(num_teachers)] + [set_key(set_members(m)) for m in sets]
+        self.set_index = {m: num_teachers + k for k, m in enumerate(sets)}
+        size = len(self.labels)
+        self.sums = torch.zeros(size, dtype=torch.float64)
+        self.counts = torch.zeros(size, dtype=torch.float64)
         # Teachers of other tokenizers (`cross`): their trained tokens with no aligned teacher position.
         self.cross = sorted(cross)
-        self.unaligned = torch.zeros(num_teachers, dtype=torch.float64)
+        self.unaligned = torch.zeros(size, dtype=torch.float64)
         self.extremes = torch.tensor([math.inf, math.inf], dtype=torch.float64)  # min, −max: both minimised
-        self.nonfinite = torch.zeros(num_teachers, dtype=torch.float64)
+        self.nonfinite = torch.zeros(size, dtype=torch.float64)
+        # Ensembles that choose (`Terms.shares`): each teacher's summed share and tokens it scores.
+        self.selected = torch.zeros(num_teachers, dtype=torch.float64)
+        self.scored = torch.zeros(num_teachers, dtype=torch.float64)
         self.loss = torch.zeros((), dtype=torch.float64)
         self.ce: torch.Tensor | None = None  # the CE term's sum over the microbatches, when it is on
         self.span: torch.Tensor | None = None  # the span term's, when a microbatch had trained spans
+
+    def keys(self, sets: torch.Tensor) -> torch.Tensor:
+        """The stats index of each value's target set (`layout.set_mask` bits)."""
+        masks = sets.cpu().tolist()
+        return torch.tensor(
+            [m.bit_length() - 1 if m & (m - 1) == 0 else self.set_index[m] for m in masks], dtype=torch.long
+        )
+
+    def add_shares(self, teacher: torch.Tensor, share: torch.Tensor) -> None:
+        self.selected.index_add_(0, teacher.cpu(), share.detach().double().cpu())
+        self.scored.index_add_(0, teacher.cpu(), torch.ones(teacher.shape[0], dtype=torch.float64))
 
     def add(
         self,
@@ -270,16 +332,12 @@ class StepStats:
         ce = zero if self.ce is None else self.ce
         # The span term and whether this rank had one: a rank without trained spans adds zeros.
         span = torch.stack([zero, zero] if self.span is None else [self.span, zero + 1])
-        parts = [self.sums, self.counts, self.nonfinite, self.unaligned, self.loss[None], ce[None], span]
-        packed = dp.all_reduce(torch.cat(parts))
-        k = self.sums.shape[0]
-        self.sums, self.counts, self.nonfinite, self.unaligned, self.loss = (
-            packed[:k],
-            packed[k : 2 * k],
-            packed[2 * k : 3 * k],
-            packed[3 * k : 4 * k],
-            packed[-4],
-        )
+        parts = [self.sums, self.counts, self.nonfinite, self.unaligned, self.selected, self.scored]
+        packed = dp.all_reduce(torch.cat([*parts, self.loss[None], ce[None], span]))
+        self.sums, self.counts, self.nonfinite, self.unaligned, self.selected, self.scored = packed[
+            :-4
+        ].split([part.shape[0] for part in parts])
+        self.loss = packed[-4]
         if self.ce is not None:
             self.ce = packed[-3]
         self.span = packed[-2] if packed[-1] > 0 else None
@@ -291,7 +349,7 @@ class StepStats:
         stats = DivergenceStats(
             divergence=float(self.sums.sum()) / total if total else 0.0,
             divergence_by_teacher={
-                str(t): float(self.sums[t] / self.counts[t]) for t in present.nonzero()[:, 0].tolist()
+                self.labels[t]: float(self.sums[t] / self.counts[t]) for t in present.nonzero()[:, 0].tolist()
             },
             divergence_min=float(self.extremes[0]) if total else 0.0,
             divergence_max=float(-self.extremes[1]) if total else 0.0,
@@ -301,4 +359,9 @@ class StepStats:
         shares = {str(t): float(self.counts[t] / trained[t]) for t in self.cross if trained[t] > 0}
         if shares:  # the share of each such teacher's trained tokens that an aligned position supervised
             stats["aligned_share_by_teacher"] = shares
+        chosen = {
+            str(t): float(self.selected[t] / self.scored[t]) for t in self.scored.nonzero()[:, 0].tolist()
+        }
+        if chosen:
+            stats["selection_share_by_teacher"] = chosen
         return stats

@@ -85,6 +85,14 @@ class Session:
         files = self.config.cross_tokenizer.projection
         return {t: p.fingerprint for t, p in teacher_projections(self.store, files).items()}
 
+    @cached_property
+    def teacher_sets(self) -> list[int]:
+        """The sets of several teachers the store's rows have (`layout.set_mask` bits), ascending."""
+        sets = self.store.teacher_sets
+        if sets is None:
+            return []
+        return sorted(int(m) for m in np.unique(sets) if m & (m - 1))
+
     @property
     def cross_teachers(self) -> list[int]:
         """The teachers of other tokenizers than the student's (DESIGN §13)."""
@@ -112,6 +120,10 @@ class Session:
                     per_token = per_token[mb.aligned.to(per_token.device)]
                     teacher_index = teacher_index[mb.aligned.cpu()]
                     unaligned = mb.teacher_index[~mb.aligned.cpu()]
+                if terms.reported is not None:  # tokens of several teachers: keyed by their targets
+                    per_token, teacher_index = terms.reported[0], stats.keys(terms.reported[1])
+                if terms.shares is not None:
+                    stats.add_shares(*terms.shares)
                 stats.add(
                     per_token,
                     teacher_index,
@@ -128,7 +140,7 @@ class Session:
     def evaluate(self, rows: np.ndarray, *, step: int) -> EvalRecord:
         """Mean divergence per trained token of `rows` (store rows), by teacher (no weighting, no CE)."""
         self.student.train(False)
-        stats = StepStats(self.num_teachers, self.cross_teachers)
+        stats = StepStats(self.num_teachers, self.cross_teachers, self.teacher_sets)
         microbatches = read_microbatches(
             self.store,
             rank_microbatches(
@@ -242,6 +254,7 @@ def open_session(config: MopdConfig, *, store_path: str | Path | None = None, lo
             vocab_slice=(vocab_start, vocab_stop),
             device=device,
             span_weight=tc.cross_tokenizer.span_weight,
+            ensemble=tc.ensemble.method,
         )
         heads_by_rank = _account_heads(tc, heads, world, device, log)
         session = Session(

@@ -271,7 +271,7 @@ class Trainer:
                 f"train.batch.global_batch_tokens {self.tc.batch.global_batch_tokens}: leave out rows "
                 "without any, or precompute rows whose loss_mask marks what to distil"
             )
-        stats = StepStats(self.session.num_teachers, self.session.cross_teachers)
+        stats = StepStats(self.session.num_teachers, self.session.cross_teachers, self.session.teacher_sets)
         norm_of = lambda mb: self._token_norm(mb, denominator)  # noqa: E731
         self.student.forward_backward(batch.microbatches, self.session.loss_fn(stats, norm_of, train=True))
         self.student.finish_gradients()

@@ -156,13 +156,13 @@ def test_each_row_uses_its_own_teachers_head(world: World, tmp_path: Path) -> No
     with torch.no_grad():
         hidden = trainer.student.hidden_states(mb.input_ids, mb.attention_mask)[mb.loss_mask]
         norm = torch.full((mb.num_trained,), 1.0 / mb.num_trained)
-        _, per_token, _, _ = trainer.objective(hidden, trainer.student.head, mb, norm)
+        per_token = trainer.objective(hidden, trainer.student.head, mb, norm).per_token
         # The fused value against log-softmax of materialised logits: one token's rounding, twice.
         bound = value_atol(trainer.objective.vocab_size, store_logit_range(world.store))
         assert_close(per_token, _student_reference(trainer, mb.rows), atol=bound, what="per_token")
         heads = trainer.heads._kept
         heads[0], heads[1] = heads[1], heads[0]
-        _, swapped, _, _ = trainer.objective(hidden, trainer.student.head, mb, norm)
+        swapped = trainer.objective(hidden, trainer.student.head, mb, norm).per_token
     # Random teachers sit at similar mean distances from a random student, so the mean barely moves;
     # each token's value does.
     assert float((swapped - per_token).abs().mean()) > 0.1 * float(per_token.mean())
@@ -218,9 +218,9 @@ def test_sequence_level_loss_weights_rows_equally(world: World, tmp_path: Path) 
     with torch.no_grad():
         hidden = trainer.student.hidden_states(mb.input_ids, mb.attention_mask)[mb.loss_mask]
         rows_trained = int(mb.loss_mask.any(1).sum())
-        loss, per_token, _, _ = trainer.objective(
+        loss, per_token = trainer.objective(
             hidden, trainer.student.head, mb, trainer._token_norm(mb, rows_trained)
-        )
+        )[:2]
     row_means = [per_token[mb.token_row == b].mean() for b in range(len(mb.rows)) if mb.loss_mask[b].any()]
     # The same values summed in two orders: N terms each, twice the worst case of one.
     assert_close(loss, torch.stack(row_means).mean(), rtol=2 * sum_rtol(mb.num_trained), what="loss")
@@ -232,13 +232,14 @@ def test_ce_mix_and_teacher_weights(world: World, tmp_path: Path) -> None:
     with torch.no_grad():
         hidden = trainer.student.hidden_states(mb.input_ids, mb.attention_mask)[mb.loss_mask]
         norm = torch.full((mb.num_trained,), 1.0 / mb.num_trained)
-        base, per_token, _, _ = trainer.objective(hidden, trainer.student.head, mb, norm)
+        base, per_token = trainer.objective(hidden, trainer.student.head, mb, norm)[:2]
         logits = trainer.student.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
         ce = torch.nn.functional.cross_entropy(
             logits[mb.loss_mask], mb.labels, ignore_index=-100, reduction="sum"
         )
         trainer.objective.cfg = trainer.objective.cfg.model_copy(update={"ce_weight": 0.5})
-        mixed, _, ce_term, _ = trainer.objective(hidden, trainer.student.head, mb, norm)
+        terms = trainer.objective(hidden, trainer.student.head, mb, norm)
+        mixed, ce_term = terms.loss, terms.ce
         # The fused hard-label CE against torch's, per token within value_atol; the difference of two
         # losses of N summed terms also carries their own sums' rounding.
         vocab = trainer.objective.vocab_size
@@ -250,7 +251,7 @@ def test_ce_mix_and_teacher_weights(world: World, tmp_path: Path) -> None:
         assert_close(0.5 * ce_term, 0.5 * ce / mb.num_trained, atol=atol, what="reported CE term")
         trainer.objective.cfg = trainer.objective.cfg.model_copy(update={"ce_weight": 0.0})
         trainer.objective.weight_of[0] = 3.0
-        weighted, _, _, _ = trainer.objective(hidden, trainer.student.head, mb, norm)
+        weighted = trainer.objective(hidden, trainer.student.head, mb, norm).loss
     expected = (per_token * torch.where(mb.teacher_index == 0, 3.0, 1.0)).sum() / mb.num_trained
     assert_close(weighted, expected, rtol=2 * sum_rtol(mb.num_trained), what="weighted loss")
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mopd.store.format.layout import set_mask
 from mopd.store.reader import Row, StoredAlignment, TeacherStore
 from mopd.train.data.order import LoaderState, epoch_steps, rank_microbatches
 
@@ -81,11 +82,14 @@ class MicroBatch:
     teacher_index: torch.Tensor  # [N] teacher index of each trained token
     token_row: torch.Tensor  # [N] batch position of each trained token's row
     labels: torch.Tensor  # [N] the token each trained position predicts (IGNORE where none)
-    teacher_hidden: dict[int, torch.Tensor]  # teacher -> [N_t, H_t], its trained tokens in order
+    teacher_hidden: dict[int, torch.Tensor]  # teacher -> [N_t, H_t], the trained tokens it scores, in order
     # [N] bool: the token has a teacher state (every token of a teacher of the store's tokenizer; an
     # aligned one of a teacher of another). None: every token has one.
     aligned: torch.Tensor | None = None
     spans: Spans | None = None  # read with `spans=True` where the microbatch has rows of such teachers
+    # [N] int64: the teachers that score each trained token (`store.format.layout.set_mask` bits), in a
+    # store whose rows may have several (DESIGN §14); None in one whose rows have one each.
+    teacher_set: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -108,6 +112,7 @@ class MicroBatch:
             teacher_hidden={t: move(h) for t, h in self.teacher_hidden.items()},
             aligned=self.aligned,
             spans=None if self.spans is None else self.spans.to(device),
+            teacher_set=self.teacher_set,
         )
 
 
@@ -138,8 +143,7 @@ def read_microbatches(
     every = np.concatenate(microbatch_rows).astype(np.int64)
     stored = store.rows(every)
     trained = np.array([with_teacher_states and bool(row.loss_mask.any()) for row in stored], dtype=bool)
-    states = store.hiddens(every[trained]) if trained.any() else []
-    hidden_of = dict(zip(np.flatnonzero(trained).tolist(), states, strict=True))
+    hidden_of = _teacher_states(store, every, stored, trained)
     # A row of a teacher of another tokenizer: which of its states each position reads (−1: none).
     own = {t.index for t in store.teachers if t.tokenizer is not None}
     read = store.alignment if spans else store.aligned
@@ -153,21 +157,44 @@ def read_microbatches(
                 [stored[k] for k in positions],
                 [hidden_of.get(k) for k in positions],
                 [aligned_of.get(k) for k in positions],
+                sets=store.teacher_sets is not None,
             )
         )
         at += len(rows)
     return out
 
 
+def _teacher_states(
+    store: TeacherStore, every: np.ndarray, stored: list[Row], trained: np.ndarray
+) -> dict[int, dict[int, torch.Tensor]]:
+    """The states of each trained row (by position in `every`), by teacher: one batched read per
+    teacher."""
+    if not trained.any():
+        return {}
+    positions = np.flatnonzero(trained)
+    if store.teacher_sets is None:
+        states = store.hiddens(every[positions])
+        return {k: {stored[k].teacher_index: s} for k, s in zip(positions.tolist(), states, strict=True)}
+    out: dict[int, dict[int, torch.Tensor]] = {k: {} for k in positions.tolist()}
+    for t in sorted({t for k in positions for t in stored[k].teachers}):
+        mine = [k for k in positions.tolist() if t in stored[k].teachers]
+        for k, state in zip(mine, store.hiddens(every[mine], teacher=t), strict=True):
+            out[k][t] = state
+    return out
+
+
 def _collate(
     rows: np.ndarray,
     stored: list[Row],
-    states: list[torch.Tensor | None],
+    states: list[dict[int, torch.Tensor] | None],
     alignments: list[StoredAlignment | np.ndarray | None] | None = None,
+    *,
+    sets: bool = False,
 ) -> MicroBatch:
-    """Pads the rows to the longest and keeps each row's teacher states at its trained positions (a
-    row of a teacher of another tokenizer: the states of the teacher positions aligned with them, and
-    where its whole alignment is given, its trained spans)."""
+    """Pads the rows to the longest and keeps each row's teacher states (by teacher) at its trained
+    positions (a row of a teacher of another tokenizer: the states of the teacher positions aligned with
+    them, and where its whole alignment is given, its trained spans); with `sets`, each token's set of
+    teachers."""
     alignments = alignments or [None] * len(stored)
     longest = max(row.input_ids.shape[0] for row in stored)
     input_ids = torch.zeros(len(stored), longest, dtype=torch.long)
@@ -187,20 +214,22 @@ def _collate(
         trained = int(row.loss_mask.sum())
         if alignment is None:
             has_state.append(torch.ones(trained, dtype=torch.bool))
-            if state is not None:
-                hidden.setdefault(row.teacher_index, []).append(state[row.loss_mask])
+            for t, teacher_state in (state or {}).items():
+                hidden.setdefault(t, []).append(teacher_state[row.loss_mask])
             spans.skip(trained)
             continue
         whole = alignment if isinstance(alignment, StoredAlignment) else None
         at = torch.as_tensor(alignment if whole is None else whole.aligned)[row.loss_mask]
         has_state.append(at >= 0)
-        if state is not None:
-            hidden.setdefault(row.teacher_index, []).append(state[at[at >= 0]])
-        if whole is not None and state is not None:
-            spans.add(row.teacher_index, state, whole, row.loss_mask)
+        own = None if state is None else state[row.teacher_index]  # a row of one teacher
+        if own is not None:
+            hidden.setdefault(row.teacher_index, []).append(own[at[at >= 0]])
+        if whole is not None and own is not None:
+            spans.add(row.teacher_index, own, whole, row.loss_mask)
         else:
             spans.skip(trained)
     row_teacher_index = torch.tensor([row.teacher_index for row in stored], dtype=torch.long)
+    row_set = torch.tensor([set_mask(row.teachers) for row in stored], dtype=torch.long) if sets else None
     token_row = loss_mask.nonzero()[:, 0]
     return MicroBatch(
         rows=np.asarray(rows, dtype=np.int64),
@@ -213,6 +242,7 @@ def _collate(
         teacher_hidden={t: torch.cat(parts) for t, parts in hidden.items()},
         aligned=None if all(a is None for a in alignments) else torch.cat(has_state),
         spans=spans.batch(),
+        teacher_set=None if row_set is None else row_set[token_row],
     )
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from mopd.store.format.transform import LogitTransform
-from mopd.train.kernel.chunk_chain import NEEDS_P_T, all_reduce, soft_value_and_grad
+from mopd.train.kernel.chunk_chain import NEEDS_P_T, all_reduce, chunk_size_for, soft_value_and_grad
 from mopd.train.kernel.divergence import (
     KINDS,
     DivergenceOutput,
@@ -83,6 +83,111 @@ class _MixtureTargets(_ChunkObjective):
             shift = self.log_weights[t][first:stop] - _log_sum_exp(logits, plan.group)
             mixture[local] = torch.logaddexp(mixture[local], logits.add_(shift[:, None]))
         return soft_value_and_grad(buffers, plan.valid, self.kind, self.beta, scale_C, plan.group)
+
+
+class _SumTargets(_ChunkObjective):
+    """Σ_k w_k D(p_student ‖ p_k) over each token's teachers: the student's logits once a chunk, then per
+    teacher the divergence chain over the chunk's tokens it scores, the gradients summed with weight w_k.
+    Two [C, V] buffers more than one teacher's (the student's logits kept, the summed gradient)."""
+
+    def __init__(
+        self,
+        kind: str,
+        beta: float,
+        members: Mapping[int, Member],
+        heads: Mapping[int, torch.Tensor],
+        transforms: Mapping[int, LogitTransform],
+    ) -> None:
+        self.kind, self.beta = kind, beta
+        self.members, self.heads, self.transforms = members, heads, transforms
+        names = ["zs", "zt", "ps"] + (["pt"] if kind in NEEDS_P_T else [])
+        self.buffer_names = tuple([*names, *(["work"] if kind in ("jsd", "tvd") else []), "kept", "total"])
+        self.operands: dict[int, torch.Tensor] = {}
+        self.values = {t: torch.zeros(m.positions.shape[0]) for t, m in members.items()}  # each D_k
+
+    def prepare(self, full: dict[str, torch.Tensor], plan: _Plan) -> None:
+        self.operands = {t: operand(head, plan.native) for t, head in self.heads.items()}
+
+    def value_and_grad(
+        self, full: dict[str, torch.Tensor], span: slice, scale_C: torch.Tensor, plan: _Plan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        size = span.stop - span.start
+        kept = full["kept"][:size].copy_(full["zs"][:size])
+        total = full["total"][:size].zero_()
+        value = torch.zeros(size, device=kept.device)
+        for t, member in self.members.items():
+            first, stop = torch.searchsorted(member.positions, torch.tensor([span.start, span.stop])).tolist()
+            if first == stop:
+                continue
+            local = (member.positions[first:stop] - span.start).to(kept.device)
+            rows = {
+                name: full[name][: stop - first]
+                for name in self.buffer_names
+                if name not in ("kept", "total")
+            }
+            torch.index_select(kept, 0, local, out=rows["zs"])
+            mm(operand(member.hidden[first:stop], plan.native), self.operands[t].T, out=rows["zt"])
+            _temper(self.transforms[t].apply_(rows["zt"]), plan.temperature)
+            if plan.valid is not None:
+                rows["zt"].masked_fill_(~plan.valid, float("-inf"))
+            weight = member.weight[first:stop].to(kept.device)
+            got, grad = soft_value_and_grad(
+                rows, plan.valid, self.kind, self.beta, scale_C[local] * weight, plan.group
+            )
+            self.values[t][first:stop] = got.detach().cpu()
+            value.index_add_(0, local, weight * got)
+            total.index_add_(0, local, grad)
+        return value, total
+
+
+def sum_divergence(
+    student_hidden: torch.Tensor,
+    student_head: torch.Tensor,
+    members: Mapping[int, Member],
+    teacher_heads: Mapping[int, torch.Tensor],
+    *,
+    kind: str = "reverse_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    weights: torch.Tensor | None = None,
+    chunk_size: int | Literal["auto"] = "auto",
+    tp_group: Any = None,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    teacher_transforms: Mapping[int, LogitTransform] | None = None,
+) -> tuple[DivergenceOutput, dict[int, torch.Tensor]]:
+    """Σ_n weights_n Σ_k w_k,n · D(p_student,n ‖ p_k,n) over the teachers that score each token
+    (`members`, weights as given: not normalised), in one pass over the chunks: one student GEMM a chunk
+    and one GEMM per teacher. Returns the output (per-token values Σ_k w_k D_k) and each teacher's own
+    D_k at its tokens. Arguments as `mixture_divergence`'s."""
+    if kind not in KINDS:
+        raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+    device = student_hidden.device
+    num_tokens, local_vocab = student_hidden.shape[0], student_head.shape[0]
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    objective = _SumTargets(
+        kind,
+        float(beta),
+        members={
+            t: Member(m.positions.cpu(), m.hidden.detach(), m.weight.detach()) for t, m in members.items()
+        },
+        heads={t: teacher_heads[t].detach() for t in members},
+        transforms={t: (teacher_transforms or {}).get(t, LogitTransform()) for t in members},
+    )
+    out = fused_loss(
+        student_hidden,
+        student_head,
+        objective,
+        weights=token_weights(weights, num_tokens, device),
+        temperature=temperature,
+        chunk_size=chunk_size,
+        valid=valid_columns(
+            vocab_start, local_vocab, local_vocab * tp_size if vocab_size is None else vocab_size, device
+        ),
+        tp_group=tp_group,
+        compiled=False,
+    )
+    return out, objective.values
 
 
 def _log_sum_exp(logits: torch.Tensor, group: Any) -> torch.Tensor:
@@ -173,3 +278,45 @@ def mixture_divergence(
         tp_group=tp_group,
         compiled=False,
     )
+
+
+@torch.no_grad()
+def teacher_scores(
+    hidden_NH: torch.Tensor,
+    head: torch.Tensor,
+    labels_N: torch.Tensor,
+    *,
+    transform: LogitTransform | None = None,
+    chunk_size: int | Literal["auto"] = "auto",
+    tp_group: Any = None,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, a teacher's log-probability (its own distribution, T = 1, transform applied) of the
+    token's label and of its own top token: ([N] log p(label), −inf where the label is negative, and
+    [N] log max_v p(v)). Chunked over tokens, the vocabulary split over `tp_group` as the divergence's
+    (O(chunk × V_local) memory; the statistics reduced over the group). No gradient.
+    """
+    device = hidden_NH.device
+    local_vocab = head.shape[0]
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    valid = valid_columns(
+        vocab_start, local_vocab, local_vocab * tp_size if vocab_size is None else vocab_size, device
+    )
+    chunk = chunk_size_for(chunk_size, device)
+    label_N = torch.full((hidden_NH.shape[0],), float("-inf"), device=device)
+    top_N = torch.empty(hidden_NH.shape[0], device=device)
+    weights = head.float()
+    for start in range(0, hidden_NH.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        logits = (transform or LogitTransform()).apply_(hidden_NH[rows].float() @ weights.T)
+        if valid is not None:
+            logits.masked_fill_(~valid, float("-inf"))
+        normaliser = _log_sum_exp(logits, tp_group)
+        top_N[rows] = all_reduce(logits.amax(1), dist.ReduceOp.MAX, tp_group) - normaliser
+        local = labels_N[rows].to(device) - vocab_start
+        here = (local >= 0) & (local < local_vocab)
+        picked = torch.where(here, logits.gather(1, local.clamp(0, local_vocab - 1)[:, None])[:, 0], 0.0)
+        picked = all_reduce(picked, dist.ReduceOp.SUM, tp_group)
+        label_N[rows] = torch.where(labels_N[rows].to(device) >= 0, picked - normaliser, float("-inf"))
+    return label_N, top_N

@@ -97,3 +97,78 @@ def _weighted(
         torch.full((num_tokens,), 1.0 / num_tokens, dtype=dtype) if weights is None else weights.to(dtype)
     )
     return DivergenceOutput(loss=(weights * value).sum(), per_token=value.detach())
+
+
+def reference_ensemble(
+    method: str,
+    student_hidden: torch.Tensor,
+    student_head: torch.Tensor,
+    teacher_set: torch.Tensor,
+    teacher_hidden: Mapping[int, torch.Tensor],
+    teacher_heads: Mapping[int, torch.Tensor],
+    teacher_weight: Mapping[int, float],
+    labels: torch.Tensor,
+    norm: torch.Tensor,
+    *,
+    kind: str = "reverse_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+) -> DivergenceOutput:
+    """`train.ensembles.ensemble_loss` written out from its definitions (DESIGN §14), every teacher's
+    [N_t, V] distribution materialised: `teacher_set` [N] each token's teachers as bits,
+    `teacher_hidden[t]` teacher t's rows for its tokens in order, `labels` [N] each token's next token
+    (negative: none), `norm` [N] each token's normaliser. The per-token values are those the objective
+    reports: the divergence to the target, for `sum` Σ_k w_k D_k."""
+    dtype = torch.float64 if student_hidden.dtype == torch.float64 else torch.float32
+    logp_s = ((student_hidden.to(dtype) @ student_head.to(dtype).T) / temperature).log_softmax(-1)
+    positions = {t: ((teacher_set >> t) & 1).nonzero()[:, 0] for t in sorted(teacher_hidden)}
+    tempered, own = {}, {}  # each teacher's log-probabilities at its tokens: at T, and at T = 1
+    for t in positions:
+        logits = teacher_hidden[t].to(dtype) @ teacher_heads[t].to(dtype).T
+        tempered[t], own[t] = (logits / temperature).log_softmax(-1), logits.log_softmax(-1)
+    total = torch.zeros(norm.shape[0], dtype=dtype)
+    count = torch.zeros(norm.shape[0], dtype=dtype)
+    for t, pos in positions.items():
+        total[pos] += teacher_weight[t]
+        count[pos] += 1
+    if method == "sum":
+        value = torch.zeros(norm.shape[0], dtype=dtype)
+        loss = torch.zeros((), dtype=dtype)
+        for t, pos in positions.items():
+            out = _weighted(logp_s[pos], tempered[t], kind, beta, norm[pos].to(dtype) * teacher_weight[t])
+            loss = loss + out.loss
+            value[pos] += teacher_weight[t] * out.per_token
+        return DivergenceOutput(loss=loss, per_token=value.detach())
+    if method == "min_ce":
+        best = _most_likely(positions, own, labels)
+        weight = torch.tensor([teacher_weight[int(t)] for t in best], dtype=dtype)
+        target = torch.empty_like(logp_s)
+        for t, pos in positions.items():
+            target[pos[best[pos] == t]] = tempered[t][best[pos] == t]
+        return _weighted(logp_s, target, kind, beta, norm.to(dtype) * weight)
+    mix = torch.full((len(positions), *logp_s.shape), float("-inf"), dtype=dtype)
+    weight_sum = torch.zeros(norm.shape[0], dtype=dtype)
+    weights = {}
+    for t, pos in positions.items():
+        w = torch.where(total[pos] > 0, teacher_weight[t], 1.0).to(dtype)
+        weights[t] = w * own[t].max(-1).values.exp() if method == "confidence" else w
+        weight_sum[pos] += weights[t]
+    for k, (t, pos) in enumerate(positions.items()):
+        mix[k, pos] = tempered[t] + weights[t].log()[:, None]
+    logp_t = mix.logsumexp(0) - weight_sum.log()[:, None]
+    return _weighted(logp_s, logp_t, kind, beta, norm.to(dtype) * total / count)
+
+
+def _most_likely(
+    positions: Mapping[int, torch.Tensor], log_probs: Mapping[int, torch.Tensor], labels: torch.Tensor
+) -> torch.Tensor:
+    """[N] the teacher of each token's set most likely to emit its label (the lowest index on a tie, or
+    where the label is negative)."""
+    best = torch.full((labels.shape[0],), -1, dtype=torch.long)
+    best_score = torch.full((labels.shape[0],), float("-inf"), dtype=torch.float64)
+    for t, pos in positions.items():  # ascending: a tie keeps the lower index
+        picked = log_probs[t].gather(1, labels[pos].clamp_min(0)[:, None])[:, 0].double()
+        score = torch.where(labels[pos] >= 0, picked, 0.0)
+        wins = (score > best_score[pos]) | (best[pos] < 0)
+        best[pos[wins]], best_score[pos[wins]] = t, score[wins]
+    return best

@@ -32,9 +32,26 @@ def teacher_names(teachers: Iterable[TeacherInfo | TeacherSlot]) -> TeacherNames
     return {str(t.index): "+".join(t.aliases) for t in teachers}
 
 
+def set_key(teachers: Iterable[int]) -> str:
+    """How records key the tokens whose target mixes several teachers: their indices joined by `,`."""
+    return ",".join(str(t) for t in teachers)
+
+
+def name_of(key: str, names: TeacherNames) -> str:
+    """A record key's name: a teacher's, or a set's (its teachers' names joined by ` & `)."""
+    return " & ".join(names.get(t, t) for t in key.split(","))
+
+
+def _order(key: str) -> tuple[int, ...]:
+    """Teachers first, by index, then the sets (`set_key`)."""
+    parts = tuple(int(t) for t in key.split(","))
+    return (len(parts), *parts)
+
+
 def by_name(values: dict[str, float], names: TeacherNames) -> dict[str, float]:
-    """`values` keyed by teacher name instead of index (an index without a name keeps its number)."""
-    return {names.get(t, t): v for t, v in sorted(values.items(), key=lambda item: int(item[0]))}
+    """`values` keyed by teacher (or teacher set) name instead of index (an index without a name keeps
+    its number)."""
+    return {name_of(t, names): v for t, v in sorted(values.items(), key=lambda item: _order(item[0]))}
 
 
 class DivergenceStats(TypedDict):
@@ -47,6 +64,8 @@ class DivergenceStats(TypedDict):
     trained_tokens: int  # those with a divergence
     # Teachers of other tokenizers: the share of their trained tokens with an aligned teacher position.
     aligned_share_by_teacher: NotRequired[dict[str, float]]
+    # train.ensemble.method min_ce / confidence: each teacher's share of the tokens it scores (DESIGN §14)
+    selection_share_by_teacher: NotRequired[dict[str, float]]
 
 
 class EvalRecord(DivergenceStats):
@@ -218,11 +237,14 @@ def eval_line(record: EvalRecord, names: TeacherNames) -> str:
 
 
 def _aligned(record: DivergenceStats, names: TeacherNames) -> str:
-    """' aligned [name=share …]' for teachers of other tokenizers; '' without any."""
-    shares = record.get("aligned_share_by_teacher")
-    if not shares:
-        return ""
-    return " aligned [" + " ".join(f"{n}={v:.1%}" for n, v in by_name(shares, names).items()) + "]"
+    """' aligned [name=share …]' for teachers of other tokenizers, ' chosen [name=share …]' for the
+    teachers of an ensemble that chooses; '' without either."""
+    out = ""
+    chosen = record.get("selection_share_by_teacher")
+    for word, shares in (("aligned", record.get("aligned_share_by_teacher")), ("chosen", chosen)):
+        if shares:
+            out += f" {word} [" + " ".join(f"{n}={v:.1%}" for n, v in by_name(shares, names).items()) + "]"
+    return out
 
 
 def plot_metrics(metrics: Path, out: Path) -> Path:
@@ -252,15 +274,15 @@ def metrics_figure(metrics: Path) -> Any:
     if with_ce:
         left.plot([r["step"] for r in with_ce], [r["ce"] for r in with_ce], label="CE term")
     left.set(xlabel="step", ylabel="loss", title="training loss")
-    teachers = sorted({t for r in records for t in r["divergence_by_teacher"]}, key=int)
+    teachers = sorted({t for r in records for t in r["divergence_by_teacher"]}, key=_order)
     for t in teachers:
-        name = names.get(t, f"teacher {t}")
+        name = name_of(t, names) if t in names or "," in t else f"teacher {t}"
         for rows, style, label in ((train, "-", name), (evals, "o--", f"{name} (eval)")):
             points = [(r["step"], r["divergence_by_teacher"].get(t)) for r in rows]
             points = [(step, value) for step, value in points if value is not None]
             if points:
                 steps, values = zip(*points, strict=True)
-                right.plot(steps, values, style, label=label, color=f"C{int(t) % 10}")
+                right.plot(steps, values, style, label=label, color=f"C{teachers.index(t) % 10}")
     positive = all(v > 0 for r in records for v in r["divergence_by_teacher"].values())
     right.set(
         xlabel="step",

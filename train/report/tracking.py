@@ -36,6 +36,14 @@ PROJECT = "mopd"  # W&B project and MLflow experiment unless their own settings 
 PACKAGES = {"tensorboard": ["tensorboard"], "wandb": ["wandb"], "mlflow": ["mlflow", "sqlalchemy", "alembic"]}
 
 
+# A record's values by teacher (or teacher set), and the scalars' group of each.
+BY_TEACHER = {
+    "divergence_by_teacher": "divergence",
+    "aligned_share_by_teacher": "aligned_share",
+    "selection_share_by_teacher": "selection_share",
+}
+
+
 def scalars(record: Record | Mapping[str, Any], names: TeacherNames) -> dict[str, float]:
     """A metrics record as slash-namespaced scalars under its split (`train` unless it says otherwise);
     per-teacher values by teacher name."""
@@ -44,10 +52,8 @@ def scalars(record: Record | Mapping[str, Any], names: TeacherNames) -> dict[str
     for key, value in record.items():
         if key == "split":
             continue
-        if key == "divergence_by_teacher":
-            out |= {f"{split}/divergence/{name}": v for name, v in by_name(value, names).items()}
-        elif key == "aligned_share_by_teacher":
-            out |= {f"{split}/aligned_share/{name}": v for name, v in by_name(value, names).items()}
+        if key in BY_TEACHER:
+            out |= {f"{split}/{BY_TEACHER[key]}/{name}": v for name, v in by_name(value, names).items()}
         else:
             out[f"{split}/{key}"] = float(value)
     return out
