@@ -8,6 +8,7 @@ install it with `pip install --no-deps liger-kernel` (bench-only).
 
     python bench/divergence.py [--sizes 1024 4096 8192 16384] [--chunk 256]
     python bench/divergence.py --cross-tokenizer --chunk 512   # a teacher of another vocabulary
+    python bench/divergence.py --ensembles --chunk 512 --repeats 2   # K teachers a token, each method
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ def run_variant(
         def step() -> None:
             out = projected_divergence(hs, ws, hidden[0], cross_head, projection, chunk_size=chunk)
             out.loss.backward()
+    elif variant.startswith("ensemble-"):
+        # Every token scored by all `teachers` teachers (a row routed to K of them), combined by the
+        # method as `mopd train` does (`train.ensembles.ensemble_loss`, weights 1).
+        step = ensemble_step(variant.removeprefix("ensemble-"), hs, ws, heads, teachers, chunk, dtype)
     elif variant == "eager":
         from mopd.train.kernel.reference import reference_divergence
 
@@ -112,6 +117,63 @@ def run_variant(
     step()
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "peak_bytes": rss_bytes("VmHWM") - before}
+
+
+def ensemble_step(method: str, hs: Any, ws: Any, heads: dict, teachers: int, chunk: int, dtype: Any) -> Any:
+    """One fwd+bwd of `method` over N tokens that every one of `teachers` teachers scores."""
+    import numpy as np
+    import torch
+
+    from mopd.store.format.transform import LogitTransform
+    from mopd.train.data.loader import MicroBatch
+    from mopd.train.ensembles import ensemble_loss
+
+    n = hs.shape[0]
+    mb = MicroBatch(
+        rows=np.zeros(1, dtype=np.int64),
+        input_ids=torch.zeros(1, n, dtype=torch.long),
+        attention_mask=torch.ones(1, n, dtype=torch.long),
+        loss_mask=torch.ones(1, n, dtype=torch.bool),
+        teacher_index=torch.zeros(n, dtype=torch.long),
+        token_row=torch.zeros(n, dtype=torch.long),
+        labels=torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(1)),
+        teacher_hidden={t: (torch.randn(n, HIDDEN) * 0.5).to(dtype) for t in range(teachers)},
+        teacher_set=torch.full((n,), (1 << teachers) - 1, dtype=torch.long),
+    )
+    settings = dict(kind="reverse_kl", beta=0.5, temperature=1.0, chunk_size=chunk, compiled=False)
+    settings |= dict(tp_group=None, vocab_start=0, vocab_size=VOCAB)
+    transforms = {t: LogitTransform() for t in range(teachers)}
+    norm = torch.full((n,), 1.0 / n)
+
+    def step() -> None:
+        out = ensemble_loss(method, hs, ws, mb, norm, torch.ones(teachers), heads, transforms, settings)
+        out.loss.backward()
+
+    return step
+
+
+def ensembles(args: argparse.Namespace) -> None:
+    """Each `train.ensemble.method` with K = 1, 2, 4 teachers a token against one routed teacher (the
+    fused kernel), N=4096, interleaved repeats, best of each."""
+    specs = {"routed, K=1": ("fused", 1)}
+    for method in ("mixture", "sum", "min_ce", "confidence"):
+        specs |= {f"{method}, K={k}": (f"ensemble-{method}", k) for k in (1, 2, 4)}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in specs}
+    for _ in range(args.repeats):
+        for name, (variant, k) in specs.items():
+            runs[name].append(measure(variant, 4096, args.chunk, k))
+            print(f"  {name}: {runs[name][-1]}", flush=True)
+    best = {k: min((r for r in v if ok(r)), key=lambda r: r["seconds"]) for k, v in runs.items()}
+    write_results(args.out.with_name("divergence-ensembles.json"), chunk=args.chunk, best=best, runs=runs)
+    gib, base = 2.0**30, best["routed, K=1"]
+    print(f"N=4096, fp32, V={VOCAB}, H={HIDDEN}, chunk {args.chunk}, fwd+bwd, best of {args.repeats}")
+    print(f"{'':18s}{'seconds':>9s}{'vs routed':>11s}{'goal':>7s}{'peak GiB':>10s}")
+    for name, r in best.items():
+        k = specs[name][1]
+        print(
+            f"{name:18s}{r['seconds']:9.2f}{r['seconds'] / base['seconds']:10.2f}x"
+            f"{1 + 0.5 * (k - 1):6.1f}x{r['peak_bytes'] / gib:10.2f}"
+        )
 
 
 def real_projection() -> Any:
@@ -272,6 +334,11 @@ def main() -> None:
         action="store_true",
         help="instead: a teacher of another vocabulary (projected) against the same-tokenizer kernel",
     )
+    parser.add_argument(
+        "--ensembles",
+        action="store_true",
+        help="instead: each ensemble method with 1, 2 and 4 teachers a token against one routed teacher",
+    )
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     global MEM_LIMIT_GIB
@@ -288,6 +355,9 @@ def main() -> None:
         return
     if args.cross_tokenizer:
         cross_tokenizer(args)
+        return
+    if args.ensembles:
+        ensembles(args)
         return
 
     results: dict[str, dict[str, dict[str, float] | None]] = {}
