@@ -33,6 +33,7 @@ ROUTINGS = {
     "single": {"math": "big", "code": "small", "chat": "big"},
     "both": {agent: ["big", "small"] for agent in AGENTS},
 }
+EVAL_ROWS = [24]  # held-out rows (--eval-rows)
 RUNS = {"single routing": ("single", "mixture"), "mixture": ("both", "mixture"), "min_ce": ("both", "min_ce")}
 
 
@@ -55,7 +56,7 @@ def config(
             "divergence": {"kind": "reverse_kl", "chunk_size": 512},
             "ensemble": {"method": method},
             "lm_head_lifecycle": "none",
-            "eval": {"rows": 24, "every": 0},
+            "eval": {"rows": EVAL_ROWS[0], "every": 0},
             "checkpoint": {"every": steps, "keep": 1},
             "output_dir": f"run-{store}-{method}",
         },
@@ -76,7 +77,7 @@ def held_out(work: Path, student: str, steps: int) -> dict[str, float]:
     for method in ("sum", "mixture"):
         loaded = load_config(config(work, "both", steps=steps, method=method, student=student, name="eval"))
         with open_session(loaded, log=lambda _line: None) as session:
-            rows = held_out_rows(session.store.num_rows, 24, loaded.train.seed)
+            rows = held_out_rows(session.store.num_rows, EVAL_ROWS[0], loaded.train.seed)
             record = session.evaluate(rows, step=0)
             names = {str(t.index): t.aliases[0] for t in session.store.manifest.teachers}
         for key, value in record["divergence_by_teacher"].items():
@@ -90,6 +91,7 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rows-per-agent", type=int, default=48)
+    parser.add_argument("--eval-rows", type=int, default=24)
     parser.add_argument("--work", type=Path, default=Path("/tmp/mopd-bench-ensemble"))
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "ensemble.json")
     args = parser.parse_args()
@@ -100,6 +102,7 @@ def main() -> None:
     from mopd.train.trainer import run_training
 
     work = args.work
+    EVAL_ROWS[0] = args.eval_rows
     work.mkdir(parents=True, exist_ok=True)
     prepare_models(work, log=lambda _line: None)
     write_dataset(work / "data.jsonl", args.rows_per_agent)
@@ -125,7 +128,8 @@ def main() -> None:
     )
     base = results["single routing"]["step_s"]
     print(
-        f"{args.steps} steps, held-out reverse KL per trained token (24 rows); step time median after step 2"
+        f"{args.steps} steps, held-out reverse KL per trained token ({args.eval_rows} rows); "
+        "step time median after step 2"
     )
     print(f"{'':16s}{'step s':>8s}{'vs K=1':>8s}{'to big':>9s}{'to small':>10s}{'to mixture':>12s}")
     for name, r in results.items():

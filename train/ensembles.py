@@ -20,6 +20,7 @@ normalised weight for `confidence`).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -27,7 +28,7 @@ import torch
 from mopd.store.format.transform import LogitTransform
 from mopd.train.data.loader import MicroBatch
 from mopd.train.kernel.divergence import linear_divergence
-from mopd.train.kernel.ensemble import Member, mixture_divergence, sum_divergence, teacher_scores
+from mopd.train.kernel.ensemble import Member, mixture_divergence, teacher_scores
 
 METHODS = ("mixture", "sum", "min_ce", "confidence")
 
@@ -42,6 +43,45 @@ class EnsembleLoss(NamedTuple):
 def scored_positions(teacher_set_N: torch.Tensor, teachers: list[int]) -> dict[int, torch.Tensor]:
     """The tokens (ascending) each teacher scores."""
     return {t: ((teacher_set_N >> t) & 1).nonzero()[:, 0] for t in teachers}
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """One call's inputs: the student's side, the microbatch, each token's normaliser, each teacher's
+    weight, head and transform, the kernel's options, and the tokens each teacher scores."""
+
+    hidden: torch.Tensor
+    head: torch.Tensor
+    mb: MicroBatch
+    norm: torch.Tensor
+    weight: torch.Tensor
+    heads: Mapping[int, torch.Tensor]
+    transforms: Mapping[int, LogitTransform]
+    options: dict[str, Any]
+    positions: dict[int, torch.Tensor]
+
+    @property
+    def sets(self) -> torch.Tensor:
+        assert self.mb.teacher_set is not None
+        return self.mb.teacher_set.to(self.hidden.device)
+
+    def kernel_options(self) -> dict[str, Any]:
+        """The options the ensemble kernel takes (it has no compiled chain)."""
+        return {k: v for k, v in self.options.items() if k != "compiled"}
+
+    def scores(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher t's log-probabilities of the next token and of its own top token at its tokens."""
+        pos = self.positions[t]
+        return teacher_scores(
+            self.mb.teacher_hidden[t],
+            self.heads[t],
+            self.mb.labels.to(pos.device)[pos],
+            transform=self.transforms[t],
+            chunk_size=self.options["chunk_size"],
+            tp_group=self.options["tp_group"],
+            vocab_start=self.options["vocab_start"],
+            vocab_size=self.options["vocab_size"],
+        )
 
 
 def ensemble_loss(
@@ -59,60 +99,44 @@ def ensemble_loss(
     normaliser, `weight_of[t]` teacher t's weight, `heads` this rank's slice of each teacher's head."""
     assert mb.teacher_set is not None
     device = hidden_NH.device
-    sets = mb.teacher_set.to(device)
-    teachers = sorted(mb.teacher_hidden)
-    positions = {t: p.to(device) for t, p in scored_positions(mb.teacher_set, teachers).items()}
-    weight = weight_of.to(device)
+    positions = {
+        t: p.to(device) for t, p in scored_positions(mb.teacher_set, sorted(mb.teacher_hidden)).items()
+    }
+    tokens = _Tokens(hidden_NH, head, mb, norm_N, weight_of.to(device), heads, transforms, options, positions)
     if method == "sum":
-        return _sum(hidden_NH, head, mb, norm_N, weight, heads, transforms, options, positions)
+        return _sum(tokens)
     if method == "min_ce":
-        return _min_ce(hidden_NH, head, mb, norm_N, weight, heads, transforms, options, positions)
-    total = torch.zeros(sets.shape[0], device=device)
-    count = torch.zeros(sets.shape[0], device=device)
-    for t, pos in positions.items():
-        total[pos] += weight[t]
+        return _min_ce(tokens)
+    return _mixture(tokens, confident=method == "confidence")
+
+
+def _mixture(x: _Tokens, *, confident: bool) -> EnsembleLoss:
+    """The mixture of each token's teachers, weighted by their weights (× their top-token probability
+    when `confident`)."""
+    sets = x.sets
+    total = torch.zeros(sets.shape[0], device=sets.device)
+    count = torch.zeros(sets.shape[0], device=sets.device)
+    for t, pos in x.positions.items():
+        total[pos] += x.weight[t]
         count[pos] += 1
     # A token whose teachers all weigh 0 trains nothing; its target is their plain mixture.
-    member_weight = {t: torch.where(total[pos] > 0, weight[t], 1.0) for t, pos in positions.items()}
+    member_weight = {t: torch.where(total[pos] > 0, x.weight[t], 1.0) for t, pos in x.positions.items()}
     shares = None
-    if method == "confidence":
-        for t, pos in positions.items():
-            _, top = _scores(mb, t, pos, heads, transforms, options)
-            member_weight[t] = member_weight[t] * top.exp()
-        shares = _normalised(member_weight, positions, sets)
-    members = {t: Member(pos, mb.teacher_hidden[t], member_weight[t]) for t, pos in positions.items()}
-    mixture_options = {k: v for k, v in options.items() if k != "compiled"}
+    if confident:
+        for t in x.positions:
+            member_weight[t] = member_weight[t] * x.scores(t)[1].exp()
+        shares = _normalised(member_weight, x.positions, sets)
+    members = {t: Member(pos, x.mb.teacher_hidden[t], member_weight[t]) for t, pos in x.positions.items()}
     out = mixture_divergence(
-        hidden_NH,
-        head,
+        x.hidden,
+        x.head,
         members,
-        heads,
-        weights=norm_N * total / count,
-        teacher_transforms=transforms,
-        **mixture_options,
+        x.heads,
+        weights=x.norm * total / count,
+        teacher_transforms=x.transforms,
+        **x.kernel_options(),
     )
     return EnsembleLoss(out.loss, out.per_token, (out.per_token, sets), shares)
-
-
-def _scores(
-    mb: MicroBatch,
-    t: int,
-    pos: torch.Tensor,
-    heads: Mapping[int, torch.Tensor],
-    transforms: Mapping[int, LogitTransform],
-    options: dict[str, Any],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher t's log-probabilities of the next token and of its own top token at its tokens."""
-    return teacher_scores(
-        mb.teacher_hidden[t],
-        heads[t],
-        mb.labels.to(pos.device)[pos],
-        transform=transforms[t],
-        chunk_size=options["chunk_size"],
-        tp_group=options["tp_group"],
-        vocab_start=options["vocab_start"],
-        vocab_size=options["vocab_size"],
-    )
 
 
 def _shares(
@@ -136,66 +160,50 @@ def _normalised(
     return _shares({t: member_weight[t] / total[pos] for t, pos in positions.items()}, positions, sets)
 
 
-def _min_ce(
-    hidden_NH: torch.Tensor,
-    head: torch.Tensor,
-    mb: MicroBatch,
-    norm_N: torch.Tensor,
-    weight: torch.Tensor,
-    heads: Mapping[int, torch.Tensor],
-    transforms: Mapping[int, LogitTransform],
-    options: dict[str, Any],
-    positions: Mapping[int, torch.Tensor],
-) -> EnsembleLoss:
+def _min_ce(x: _Tokens) -> EnsembleLoss:
     """Each token routed to the teacher most likely to emit its next token."""
-    device = hidden_NH.device
-    num_tokens, width = hidden_NH.shape[0], max(positions) + 1
-    scores = torch.full((num_tokens, width), float("-inf"), device=device)
-    for t, pos in positions.items():
-        label, _ = _scores(mb, t, pos, heads, transforms, options)
+    device = x.hidden.device
+    labels = x.mb.labels.to(device)
+    scores = torch.full((x.hidden.shape[0], max(x.positions) + 1), float("-inf"), device=device)
+    for t, pos in x.positions.items():
+        label, _ = x.scores(t)
         # No next token: every member ties (the lowest index wins); a member never loses to a stranger.
-        scores[pos, t] = torch.where(mb.labels.to(device)[pos] >= 0, label.clamp_min(-1e30), 0.0)
+        scores[pos, t] = torch.where(labels[pos] >= 0, label.clamp_min(-1e30), 0.0)
     chosen = scores.argmax(1)
-    own = {t: mb.teacher_hidden[t][chosen[pos] == t] for t, pos in positions.items()}
+    own = {t: x.mb.teacher_hidden[t][chosen[pos] == t] for t, pos in x.positions.items()}
+    own = {t: h for t, h in own.items() if h.shape[0]}
     out = linear_divergence(
-        hidden_NH,
-        head,
-        {t: h for t, h in own.items() if h.shape[0]},
-        {t: heads[t] for t, h in own.items() if h.shape[0]},
+        x.hidden,
+        x.head,
+        own,
+        {t: x.heads[t] for t in own},
         chosen,
-        weights=norm_N * weight[chosen],
-        teacher_transforms=transforms,
-        **options,
+        weights=x.norm * x.weight[chosen],
+        teacher_transforms=x.transforms,
+        **x.options,
     )
-    picked = {t: (chosen[pos] == t).float() for t, pos in positions.items()}
-    shares = _shares(picked, positions, mb.teacher_set.to(device))
+    picked = {t: (chosen[pos] == t).float() for t, pos in x.positions.items()}
+    shares = _shares(picked, x.positions, x.sets)
     return EnsembleLoss(out.loss, out.per_token, (out.per_token, torch.ones_like(chosen) << chosen), shares)
 
 
-def _sum(
-    hidden_NH: torch.Tensor,
-    head: torch.Tensor,
-    mb: MicroBatch,
-    norm_N: torch.Tensor,
-    weight: torch.Tensor,
-    heads: Mapping[int, torch.Tensor],
-    transforms: Mapping[int, LogitTransform],
-    options: dict[str, Any],
-    positions: Mapping[int, torch.Tensor],
-) -> EnsembleLoss:
+def _sum(x: _Tokens) -> EnsembleLoss:
     """Σ_k w_k D(p_s ‖ p_k) over each token's teachers, in one fused pass."""
     members = {
-        t: Member(pos, mb.teacher_hidden[t], weight[t].expand(pos.shape[0])) for t, pos in positions.items()
+        t: Member(pos, x.mb.teacher_hidden[t], x.weight[t].expand(pos.shape[0]))
+        for t, pos in x.positions.items()
     }
-    out, each = sum_divergence(
-        hidden_NH,
-        head,
+    out = mixture_divergence(
+        x.hidden,
+        x.head,
         members,
-        heads,
-        weights=norm_N,
-        teacher_transforms=transforms,
-        **{k: v for k, v in options.items() if k != "compiled"},
+        x.heads,
+        weights=x.norm,
+        teacher_transforms=x.transforms,
+        combine="sum",
+        **x.kernel_options(),
     )
-    values = torch.cat([each[t].to(hidden_NH.device) for t in positions])
-    keys = torch.cat([torch.full_like(pos, 1 << t) for t, pos in positions.items()])
+    assert out.by_teacher is not None
+    values = torch.cat([out.by_teacher[t].to(x.hidden.device) for t in x.positions])
+    keys = torch.cat([torch.full_like(pos, 1 << t) for t, pos in x.positions.items()])
     return EnsembleLoss(out.loss, out.per_token, (values, keys), None)

@@ -136,6 +136,16 @@ def routed(hs, ws, mb, heads, norm, teacher: int, **settings):  # type: ignore[n
     return out.loss.detach(), out.per_token, hs.grad, ws.grad
 
 
+def assert_is_routed_run(method: str, hs, ws, mb, heads, *, teacher: int, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """`method`'s loss, values and gradients are bit for bit those of every token routed to `teacher`."""
+    norm = torch.full((N,), 1.0 / N)
+    settings = options(kind, 7, 1.0)
+    got = fused(method, hs, ws, mb, heads, norm, **settings)
+    alone = routed(hs, ws, mb, heads, norm, teacher, **settings)
+    for name, g, w in zip(("loss", "per_token", "grad_hidden", "grad_head"), got, alone, strict=True):
+        assert_close(g, w, rtol=0.0, what=name)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_min_ce_where_one_teacher_always_wins_is_that_teachers_run(kind: str) -> None:
     """Teacher 1's states point at each token's label (its probability of it near 1), and where a token
@@ -144,12 +154,7 @@ def test_min_ce_where_one_teacher_always_wins_is_that_teachers_run(kind: str) ->
     hs, ws, mb, heads = case(seed=5, sets=[(1, 2)] * N)
     sure = 8 * heads[1][mb.labels.clamp_min(0)]
     mb.teacher_hidden[1] = torch.where((mb.labels >= 0)[:, None], sure, mb.teacher_hidden[1])
-    norm = torch.full((N,), 1.0 / N)
-    settings = options(kind, 7, 1.0)
-    got = fused("min_ce", hs, ws, mb, heads, norm, **settings)
-    alone = routed(hs, ws, mb, heads, norm, 1, **settings)
-    for name, g, w in zip(("loss", "per_token", "grad_hidden", "grad_head"), got, alone, strict=True):
-        assert_close(g, w, rtol=0.0, what=name)
+    assert_is_routed_run("min_ce", hs, ws, mb, heads, teacher=1, kind=kind)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -158,10 +163,5 @@ def test_sum_with_one_weight_zero_is_the_other_teacher_alone(
 ) -> None:
     hs, ws, mb, heads = case(seed=6, sets=[(0, 1)] * N)
     monkeypatch.setattr(f"{__name__}.WEIGHTS", torch.tensor([0.0, 1.0, 1.0]))
-    norm = torch.full((N,), 1.0 / N)
-    settings = options(kind, 7, 1.0)
-    got = fused("sum", hs, ws, mb, heads, norm, **settings)
-    alone = routed(hs, ws, mb, heads, norm, 1, **settings)
     # Teacher 0's pass adds exact zeros (weight 0) to the loss and both gradients.
-    for name, g, w in zip(("loss", "per_token", "grad_hidden", "grad_head"), got, alone, strict=True):
-        assert_close(g, w, rtol=0.0, what=name)
+    assert_is_routed_run("sum", hs, ws, mb, heads, teacher=1, kind=kind)

@@ -32,6 +32,9 @@ KINDS: tuple[str, ...] = get_args(DivergenceKind)
 class DivergenceOutput:
     loss: torch.Tensor  # scalar, Σ_n weights_n · value_n, differentiable w.r.t. student hidden and head
     per_token: torch.Tensor  # [N] fp32, detached
+    # A sum over several teachers (`ensemble.mixture_divergence(combine="sum")`): each teacher's own
+    # value at the tokens it scores, in their order.
+    by_teacher: dict[int, torch.Tensor] | None = None
 
 
 def _check_inputs(

@@ -9,8 +9,8 @@ plus one [C, V_local] buffer for the teacher being folded in, whatever the numbe
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -42,7 +42,48 @@ class Member:
     weight: torch.Tensor  # [N_t]
 
 
-class _MixtureTargets(_ChunkObjective):
+class _Members(_ChunkObjective):
+    """Teachers that each score some of the tokens (`Member`s): their heads made GEMM operands once,
+    their tempered logits over a chunk's tokens, chunk by chunk."""
+
+    def __init__(
+        self,
+        kind: str,
+        beta: float,
+        members: Mapping[int, Member],
+        heads: Mapping[int, torch.Tensor],
+        transforms: Mapping[int, LogitTransform],
+        scratch: tuple[str, ...],
+    ) -> None:
+        self.kind, self.beta = kind, beta
+        self.members, self.heads, self.transforms = members, heads, transforms
+        names = ["zs", "zt", "ps"] + (["pt"] if kind in NEEDS_P_T else [])
+        self.chain_names = tuple([*names, *(["work"] if kind in ("jsd", "tvd") else [])])
+        self.buffer_names = (*self.chain_names, *scratch)
+        self.operands: dict[int, torch.Tensor] = {}  # each head as a GEMM operand (`prepare`)
+
+    def prepare(self, full: dict[str, torch.Tensor], plan: _Plan) -> None:
+        # Every chunk meets every teacher: each head becomes a GEMM operand once, not once a chunk.
+        self.operands = {t: operand(head, plan.native) for t, head in self.heads.items()}
+
+    def scored(self, span: slice) -> Iterator[tuple[int, slice, torch.Tensor]]:
+        """Each teacher that scores tokens of the chunk `span`: (teacher, its rows of them, their
+        positions in the chunk)."""
+        for t, member in self.members.items():
+            first, stop = torch.searchsorted(member.positions, torch.tensor([span.start, span.stop])).tolist()
+            if first < stop:
+                yield t, slice(first, stop), member.positions[first:stop] - span.start
+
+    def logits(self, t: int, rows: slice, out: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        """Teacher t's tempered logits of its hidden rows `rows` into `out` (padded columns −inf)."""
+        mm(operand(self.members[t].hidden[rows], plan.native), self.operands[t].T, out=out)
+        _temper(self.transforms[t].apply_(out), plan.temperature)
+        if plan.valid is not None:
+            out.masked_fill_(~plan.valid, float("-inf"))
+        return out
+
+
+class _MixtureTargets(_Members):
     """The divergence from each token's mixture of its teachers' (tempered) distributions."""
 
     def __init__(
@@ -54,38 +95,24 @@ class _MixtureTargets(_ChunkObjective):
         heads: Mapping[int, torch.Tensor],
         transforms: Mapping[int, LogitTransform],
     ) -> None:
-        self.kind, self.beta = kind, beta
-        self.members, self.log_weights, self.heads, self.transforms = members, log_weights, heads, transforms
-        names = ["zs", "zt", "ps"] + (["pt"] if kind in NEEDS_P_T else [])
-        self.buffer_names = tuple([*names, *(["work"] if kind in ("jsd", "tvd") else []), "one"])
-        self.operands: dict[int, torch.Tensor] = {}  # each head as a GEMM operand (`prepare`)
-
-    def prepare(self, full: dict[str, torch.Tensor], plan: _Plan) -> None:
-        # Every chunk meets every teacher: each head becomes a GEMM operand once, not once a chunk.
-        self.operands = {t: operand(head, plan.native) for t, head in self.heads.items()}
+        super().__init__(kind, beta, members, heads, transforms, scratch=("one",))
+        self.log_weights = log_weights
 
     def value_and_grad(
         self, full: dict[str, torch.Tensor], span: slice, scale_C: torch.Tensor, plan: _Plan
     ) -> tuple[torch.Tensor, torch.Tensor]:
         size = span.stop - span.start
-        buffers = {name: buf[:size] for name, buf in full.items() if name != "one"}
+        buffers = {name: full[name][:size] for name in self.chain_names}
         mixture = buffers["zt"].fill_(float("-inf"))
-        for t, member in self.members.items():
-            first, stop = torch.searchsorted(member.positions, torch.tensor([span.start, span.stop])).tolist()
-            if first == stop:
-                continue
-            local = (member.positions[first:stop] - span.start).to(mixture.device)
-            logits = full["one"][: stop - first]
-            mm(operand(member.hidden[first:stop], plan.native), self.operands[t].T, out=logits)
-            _temper(self.transforms[t].apply_(logits), plan.temperature)
-            if plan.valid is not None:
-                logits.masked_fill_(~plan.valid, float("-inf"))
-            shift = self.log_weights[t][first:stop] - _log_sum_exp(logits, plan.group)
+        for t, rows, local in self.scored(span):
+            local = local.to(mixture.device)
+            logits = self.logits(t, rows, full["one"][: rows.stop - rows.start], plan)
+            shift = self.log_weights[t][rows] - _log_sum_exp(logits, plan.group)
             mixture[local] = torch.logaddexp(mixture[local], logits.add_(shift[:, None]))
         return soft_value_and_grad(buffers, plan.valid, self.kind, self.beta, scale_C, plan.group)
 
 
-class _SumTargets(_ChunkObjective):
+class _SumTargets(_Members):
     """Σ_k w_k D(p_student ‖ p_k) over each token's teachers: the student's logits once a chunk, then per
     teacher the divergence chain over the chunk's tokens it scores, the gradients summed with weight w_k.
     Two [C, V] buffers more than one teacher's (the student's logits kept, the summed gradient)."""
@@ -98,15 +125,8 @@ class _SumTargets(_ChunkObjective):
         heads: Mapping[int, torch.Tensor],
         transforms: Mapping[int, LogitTransform],
     ) -> None:
-        self.kind, self.beta = kind, beta
-        self.members, self.heads, self.transforms = members, heads, transforms
-        names = ["zs", "zt", "ps"] + (["pt"] if kind in NEEDS_P_T else [])
-        self.buffer_names = tuple([*names, *(["work"] if kind in ("jsd", "tvd") else []), "kept", "total"])
-        self.operands: dict[int, torch.Tensor] = {}
+        super().__init__(kind, beta, members, heads, transforms, scratch=("kept", "total"))
         self.values = {t: torch.zeros(m.positions.shape[0]) for t, m in members.items()}  # each D_k
-
-    def prepare(self, full: dict[str, torch.Tensor], plan: _Plan) -> None:
-        self.operands = {t: operand(head, plan.native) for t, head in self.heads.items()}
 
     def value_and_grad(
         self, full: dict[str, torch.Tensor], span: slice, scale_C: torch.Tensor, plan: _Plan
@@ -115,79 +135,19 @@ class _SumTargets(_ChunkObjective):
         kept = full["kept"][:size].copy_(full["zs"][:size])
         total = full["total"][:size].zero_()
         value = torch.zeros(size, device=kept.device)
-        for t, member in self.members.items():
-            first, stop = torch.searchsorted(member.positions, torch.tensor([span.start, span.stop])).tolist()
-            if first == stop:
-                continue
-            local = (member.positions[first:stop] - span.start).to(kept.device)
-            rows = {
-                name: full[name][: stop - first]
-                for name in self.buffer_names
-                if name not in ("kept", "total")
-            }
-            torch.index_select(kept, 0, local, out=rows["zs"])
-            mm(operand(member.hidden[first:stop], plan.native), self.operands[t].T, out=rows["zt"])
-            _temper(self.transforms[t].apply_(rows["zt"]), plan.temperature)
-            if plan.valid is not None:
-                rows["zt"].masked_fill_(~plan.valid, float("-inf"))
-            weight = member.weight[first:stop].to(kept.device)
+        for t, rows, local in self.scored(span):
+            local = local.to(kept.device)
+            chain = {name: full[name][: rows.stop - rows.start] for name in self.chain_names}
+            torch.index_select(kept, 0, local, out=chain["zs"])
+            self.logits(t, rows, chain["zt"], plan)
+            weight = self.members[t].weight[rows].to(kept.device)
             got, grad = soft_value_and_grad(
-                rows, plan.valid, self.kind, self.beta, scale_C[local] * weight, plan.group
+                chain, plan.valid, self.kind, self.beta, scale_C[local] * weight, plan.group
             )
-            self.values[t][first:stop] = got.detach().cpu()
+            self.values[t][rows] = got.detach().cpu()
             value.index_add_(0, local, weight * got)
             total.index_add_(0, local, grad)
         return value, total
-
-
-def sum_divergence(
-    student_hidden: torch.Tensor,
-    student_head: torch.Tensor,
-    members: Mapping[int, Member],
-    teacher_heads: Mapping[int, torch.Tensor],
-    *,
-    kind: str = "reverse_kl",
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    weights: torch.Tensor | None = None,
-    chunk_size: int | Literal["auto"] = "auto",
-    tp_group: Any = None,
-    vocab_start: int = 0,
-    vocab_size: int | None = None,
-    teacher_transforms: Mapping[int, LogitTransform] | None = None,
-) -> tuple[DivergenceOutput, dict[int, torch.Tensor]]:
-    """Σ_n weights_n Σ_k w_k,n · D(p_student,n ‖ p_k,n) over the teachers that score each token
-    (`members`, weights as given: not normalised), in one pass over the chunks: one student GEMM a chunk
-    and one GEMM per teacher. Returns the output (per-token values Σ_k w_k D_k) and each teacher's own
-    D_k at its tokens. Arguments as `mixture_divergence`'s."""
-    if kind not in KINDS:
-        raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
-    device = student_hidden.device
-    num_tokens, local_vocab = student_hidden.shape[0], student_head.shape[0]
-    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    objective = _SumTargets(
-        kind,
-        float(beta),
-        members={
-            t: Member(m.positions.cpu(), m.hidden.detach(), m.weight.detach()) for t, m in members.items()
-        },
-        heads={t: teacher_heads[t].detach() for t in members},
-        transforms={t: (teacher_transforms or {}).get(t, LogitTransform()) for t in members},
-    )
-    out = fused_loss(
-        student_hidden,
-        student_head,
-        objective,
-        weights=token_weights(weights, num_tokens, device),
-        temperature=temperature,
-        chunk_size=chunk_size,
-        valid=valid_columns(
-            vocab_start, local_vocab, local_vocab * tp_size if vocab_size is None else vocab_size, device
-        ),
-        tp_group=tp_group,
-        compiled=False,
-    )
-    return out, objective.values
 
 
 def _log_sum_exp(logits: torch.Tensor, group: Any) -> torch.Tensor:
@@ -239,10 +199,15 @@ def mixture_divergence(
     vocab_start: int = 0,
     vocab_size: int | None = None,
     teacher_transforms: Mapping[int, LogitTransform] | None = None,
+    combine: Literal["mixture", "sum"] = "mixture",
 ) -> DivergenceOutput:
     """Σ_n weights_n · D(p_student,n ‖ Σ_k w_k,n p_k,n) without any [N, V] tensor: each token's target
     is the mixture of the (tempered) distributions of the teachers that score it (`members`), with
     their weights normalised per token. Arguments as `divergence.linear_divergence`'s.
+
+    With `combine="sum"`: Σ_n weights_n Σ_k w_k,n · D(p_student,n ‖ p_k,n) instead (the members'
+    weights as given, not normalised), in the same one pass over the chunks; the output's per-token
+    values are Σ_k w_k D_k and its `by_teacher` each teacher's own D_k at its tokens.
 
     Raises:
         ValueError: unknown kind, a teacher without a head, weights or positions that do not fit, or a
@@ -259,15 +224,16 @@ def mixture_divergence(
     num_tokens, local_vocab = student_hidden.shape[0], student_head.shape[0]
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     vocab_size = local_vocab * tp_size if vocab_size is None else vocab_size
-    objective = _MixtureTargets(
-        kind,
-        float(beta),
-        members={t: Member(m.positions.cpu(), m.hidden.detach(), m.weight) for t, m in members.items()},
-        log_weights={t: w.to(device) for t, w in _log_weights(members, num_tokens).items()},
-        heads={t: teacher_heads[t].detach() for t in members},
-        transforms={t: (teacher_transforms or {}).get(t, LogitTransform()) for t in members},
-    )
-    return fused_loss(
+    given = {t: Member(m.positions.cpu(), m.hidden.detach(), m.weight.detach()) for t, m in members.items()}
+    heads = {t: teacher_heads[t].detach() for t in members}
+    transforms = {t: (teacher_transforms or {}).get(t, LogitTransform()) for t in members}
+    objective: _MixtureTargets | _SumTargets
+    if combine == "sum":
+        objective = _SumTargets(kind, float(beta), given, heads, transforms)
+    else:
+        log_weights = {t: w.to(device) for t, w in _log_weights(members, num_tokens).items()}
+        objective = _MixtureTargets(kind, float(beta), given, log_weights, heads, transforms)
+    out = fused_loss(
         student_hidden,
         student_head,
         objective,
@@ -278,6 +244,7 @@ def mixture_divergence(
         tp_group=tp_group,
         compiled=False,
     )
+    return out if combine == "mixture" else replace(out, by_teacher=objective.values)
 
 
 @torch.no_grad()
