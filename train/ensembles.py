@@ -6,7 +6,7 @@ token's set and W_S = Σ_{k∈S} w_k:
 
 - `mixture`: D(p_s ‖ Σ_k (w_k / W_S) p_k), weighing W_S / |S| (one teacher: w_k, as routing gives);
 - `confidence`: the same with w_k · max_v p_k(v) in place of w_k (each teacher's probability of its own
-  top token, at T = 1: a sharper teacher counts for more where it is sure);
+  top token, at T = 1: a sharper teacher counts for more where it is sure), in the same one pass;
 - `min_ce`: D(p_s ‖ p_k*) with k* = argmax_{k∈S} p_k(next token) at T = 1 (the lowest index on ties and
   where the row has no next token), weighing w_k*, as if the row were routed to k* at that token;
 - `sum`: Σ_{k∈S} w_k D(p_s ‖ p_k), in one fused pass (the student's logits once a chunk).
@@ -121,11 +121,6 @@ def _mixture(x: _Tokens, *, confident: bool) -> EnsembleLoss:
         count[pos] += 1
     # A token whose teachers all weigh 0 trains nothing; its target is their plain mixture.
     member_weight = {t: torch.where(total[pos] > 0, x.weight[t], 1.0) for t, pos in x.positions.items()}
-    shares = None
-    if confident:
-        for t in x.positions:
-            member_weight[t] = member_weight[t] * x.scores(t)[1].exp()
-        shares = _normalised(member_weight, x.positions, sets)
     members = {t: Member(pos, x.mb.teacher_hidden[t], member_weight[t]) for t, pos in x.positions.items()}
     out = mixture_divergence(
         x.hidden,
@@ -134,8 +129,12 @@ def _mixture(x: _Tokens, *, confident: bool) -> EnsembleLoss:
         x.heads,
         weights=x.norm * total / count,
         teacher_transforms=x.transforms,
+        confident=confident,
         **x.kernel_options(),
     )
+    shares = None
+    if out.by_teacher is not None:  # confident: each teacher's normalised weight at its tokens
+        shares = _shares({t: w.to(sets.device) for t, w in out.by_teacher.items()}, x.positions, sets)
     return EnsembleLoss(out.loss, out.per_token, (out.per_token, sets), shares)
 
 
@@ -148,16 +147,6 @@ def _shares(
     teacher = torch.cat([torch.full_like(pos[several[pos]], t) for t, pos in positions.items()])
     share = torch.cat([share_of[t][several[pos]].float() for t, pos in positions.items()])
     return teacher, share
-
-
-def _normalised(
-    member_weight: Mapping[int, torch.Tensor], positions: Mapping[int, torch.Tensor], sets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each member's weight over its token's total, at the tokens of several teachers."""
-    total = torch.zeros(sets.shape[0], device=sets.device)
-    for t, pos in positions.items():
-        total.index_add_(0, pos, member_weight[t].float())
-    return _shares({t: member_weight[t] / total[pos] for t, pos in positions.items()}, positions, sets)
 
 
 def _min_ce(x: _Tokens) -> EnsembleLoss:

@@ -165,3 +165,30 @@ def test_sum_with_one_weight_zero_is_the_other_teacher_alone(
     monkeypatch.setattr(f"{__name__}.WEIGHTS", torch.tensor([0.0, 1.0, 1.0]))
     # Teacher 0's pass adds exact zeros (weight 0) to the loss and both gradients.
     assert_is_routed_run("sum", hs, ws, mb, heads, teacher=1, kind=kind)
+
+
+def test_confidence_shares_are_each_teachers_normalised_weight() -> None:
+    """`confidence` reports, at each token of several teachers, each teacher's w_k · max_v p_k(v) (T = 1)
+    over their sum: the weights its mixture used, from float64 logits here."""
+    hs, ws, mb, heads = case(seed=7)
+    norm = torch.full((N,), 1.0 / N)
+    transforms = {t: LogitTransform() for t in heads}
+    out = ensemble_loss("confidence", hs, ws, mb, norm, WEIGHTS, heads, transforms, options("jsd", 7, 0.7))
+    assert out.shares is not None
+    teacher, share = out.shares
+    assert mb.teacher_set is not None
+    positions = {t: ((mb.teacher_set >> t) & 1).nonzero()[:, 0] for t in mb.teacher_hidden}
+    weight = {  # w_k · max_v p_k(v) at each of teacher k's tokens
+        t: WEIGHTS[t].double() * (mb.teacher_hidden[t].double() @ heads[t].double().T).softmax(-1).amax(-1)
+        for t in positions
+    }
+    total = torch.zeros(N, dtype=torch.float64)
+    for t, pos in positions.items():
+        total[pos] += weight[t]
+    several = mb.teacher_set & (mb.teacher_set - 1) != 0
+    want_teacher = torch.cat([torch.full((int(several[pos].sum()),), t) for t, pos in positions.items()])
+    want = torch.cat([(weight[t] / total[pos])[several[pos]] for t, pos in positions.items()])
+    assert torch.equal(teacher, want_teacher)
+    # Each logit a sum of ≤ 40 products, a log-sum-exp over V = 97, a sum of ≤ 3 weights; the ratio of
+    # two such values: fp32 against float64.
+    assert_close(share, want, rtol=2 * sum_rtol(40 + 97 + 3), norm=True, what="shares")

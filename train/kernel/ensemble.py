@@ -97,18 +97,60 @@ class _MixtureTargets(_Members):
     ) -> None:
         super().__init__(kind, beta, members, heads, transforms, scratch=("one",))
         self.log_weights = log_weights
+        # Confident mixing: each weight times the teacher's probability of its own top token (T = 1);
+        # each member's log of that product, and each token's log of their sum (for the shares).
+        self.confident: dict[int, torch.Tensor] | None = None
+        self.token_log_total: torch.Tensor | None = None
+
+    def confide(self, num_tokens: int) -> None:
+        self.confident = {t: torch.zeros(m.positions.shape[0]) for t, m in self.members.items()}
+        self.token_log_total = torch.full((num_tokens,), float("-inf"))
+
+    def _confidence(
+        self, t: int, rows: slice, logits: torch.Tensor, lse: torch.Tensor, plan: _Plan
+    ) -> torch.Tensor:
+        """log(ŵ_k · max_v p_k(v)) at the rows, p_k at T = 1 (from the tempered `logits` and their
+        log-sum-exp `lse`), recorded for the shares."""
+        assert self.confident is not None
+        top = all_reduce(logits.amax(1), dist.ReduceOp.MAX, plan.group)
+        if plan.temperature != 1.0:  # back to T = 1: its own log-sum-exp
+            top, lse = top * plan.temperature, _log_sum_exp(logits * plan.temperature, plan.group)
+        log_weight = self.log_weights[t][rows] + top - lse
+        self.confident[t][rows] = log_weight.cpu()
+        return log_weight
 
     def value_and_grad(
         self, full: dict[str, torch.Tensor], span: slice, scale_C: torch.Tensor, plan: _Plan
     ) -> tuple[torch.Tensor, torch.Tensor]:
         size = span.stop - span.start
         buffers = {name: full[name][:size] for name in self.chain_names}
-        mixture = buffers["zt"].fill_(float("-inf"))
+        mixture, started = buffers["zt"], False
         for t, rows, local in self.scored(span):
-            local = local.to(mixture.device)
-            logits = self.logits(t, rows, full["one"][: rows.stop - rows.start], plan)
-            shift = self.log_weights[t][rows] - _log_sum_exp(logits, plan.group)
-            mixture[local] = torch.logaddexp(mixture[local], logits.add_(shift[:, None]))
+            # A teacher of every token of the chunk (ascending, each once: as many as the chunk) is
+            # folded in place, the first such one written straight into the mixture: no [C, V] copy.
+            whole = local.shape[0] == size
+            first = whole and not started
+            logits = self.logits(t, rows, mixture if first else full["one"][: rows.stop - rows.start], plan)
+            lse = _log_sum_exp(logits, plan.group)
+            log_weight = self.log_weights[t][rows]
+            if self.confident is not None:
+                log_weight = self._confidence(t, rows, logits, lse, plan)
+                assert self.token_log_total is not None
+                at = local + span.start
+                self.token_log_total[at] = torch.logaddexp(self.token_log_total[at], log_weight.cpu())
+            logits.add_((log_weight - lse)[:, None])
+            if not started and not first:
+                mixture.fill_(float("-inf"))
+            started = True
+            if first:
+                continue
+            if whole:
+                torch.logaddexp(mixture, logits, out=mixture)
+            else:
+                local = local.to(mixture.device)
+                mixture[local] = torch.logaddexp(mixture[local], logits)
+        # Confident weights need no normalising here: the chain's log-softmax of the mixture removes any
+        # per-token constant (their sum, kept for the shares).
         return soft_value_and_grad(buffers, plan.valid, self.kind, self.beta, scale_C, plan.group)
 
 
@@ -200,6 +242,7 @@ def mixture_divergence(
     vocab_size: int | None = None,
     teacher_transforms: Mapping[int, LogitTransform] | None = None,
     combine: Literal["mixture", "sum"] = "mixture",
+    confident: bool = False,
 ) -> DivergenceOutput:
     """Σ_n weights_n · D(p_student,n ‖ Σ_k w_k,n p_k,n) without any [N, V] tensor: each token's target
     is the mixture of the (tempered) distributions of the teachers that score it (`members`), with
@@ -207,7 +250,10 @@ def mixture_divergence(
 
     With `combine="sum"`: Σ_n weights_n Σ_k w_k,n · D(p_student,n ‖ p_k,n) instead (the members'
     weights as given, not normalised), in the same one pass over the chunks; the output's per-token
-    values are Σ_k w_k D_k and its `by_teacher` each teacher's own D_k at its tokens.
+    values are Σ_k w_k D_k and its `by_teacher` each teacher's own D_k at its tokens. With `confident`
+    (a mixture): each weight is multiplied by the teacher's probability of its own top token (at T = 1)
+    before the per-token normalisation, in the same pass; `by_teacher` holds each teacher's normalised
+    weight at its tokens.
 
     Raises:
         ValueError: unknown kind, a teacher without a head, weights or positions that do not fit, or a
@@ -233,6 +279,8 @@ def mixture_divergence(
     else:
         log_weights = {t: w.to(device) for t, w in _log_weights(members, num_tokens).items()}
         objective = _MixtureTargets(kind, float(beta), given, log_weights, heads, transforms)
+        if confident:
+            objective.confide(num_tokens)
     out = fused_loss(
         student_hidden,
         student_head,
@@ -244,7 +292,13 @@ def mixture_divergence(
         tp_group=tp_group,
         compiled=False,
     )
-    return out if combine == "mixture" else replace(out, by_teacher=objective.values)
+    if isinstance(objective, _SumTargets):
+        return replace(out, by_teacher=objective.values)
+    if objective.confident is not None and objective.token_log_total is not None:
+        total = objective.token_log_total
+        shares = {t: (w - total[given[t].positions]).exp() for t, w in objective.confident.items()}
+        return replace(out, by_teacher=shares)
+    return out
 
 
 @torch.no_grad()
