@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -104,6 +105,8 @@ def main() -> None:
     work = args.work
     EVAL_ROWS[0] = args.eval_rows
     work.mkdir(parents=True, exist_ok=True)
+    for old in [*work.glob("*.zarr"), *work.glob("run-*")]:  # a fresh store and run each time (timed)
+        shutil.rmtree(old)
     prepare_models(work, log=lambda _line: None)
     write_dataset(work / "data.jsonl", args.rows_per_agent)
     precompute_s = {}
