@@ -33,11 +33,11 @@ import torch
 from mopd.base.batching import pack_batches
 from mopd.config.mopd_config import MopdConfig, parse_config
 from mopd.precompute.backends import HiddenStateSource
-from mopd.precompute.data import TokenizedRows
 from mopd.precompute.hf_backend import HFTeacher
 from mopd.precompute.outputs import StoreOutput
 from mopd.precompute.packaged_models import smollm2_checkpoint
 from mopd.precompute.progress import TokenProgress
+from mopd.precompute.rows import TokenizedRows
 from mopd.precompute.runner import build_plan, run_hidden_task
 from mopd.precompute.teachers import TeacherSet, resolve_teachers
 from mopd.store.writer import StoreWriter

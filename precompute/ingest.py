@@ -34,8 +34,9 @@ from mopd.base.jsonio import parse_json
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.precompute import DataConfig, RoutingConfig
 from mopd.precompute.cross_rows import CrossTokenizers, aligned_shares
-from mopd.precompute.data import TokenizedRows, tokenize_dataset
+from mopd.precompute.data import tokenize_dataset
 from mopd.precompute.records import load_records
+from mopd.precompute.rows import TokenizedRows
 from mopd.precompute.teachers import TeacherSet, load_tokenizer
 from mopd.store.format.fingerprint import TOKENIZER_FILES
 from mopd.store.format.manifest import canonical_json

@@ -16,7 +16,7 @@ import torch
 from mopd.base.errors import StoreIntegrityError
 from mopd.base.version import __version__
 from mopd.precompute.backends import HiddenStateSource, TeacherModel
-from mopd.precompute.data import TokenizedRows
+from mopd.precompute.rows import TokenizedRows
 from mopd.store.arrays.dtypes import TORCH_DTYPES
 from mopd.store.codec.int8_rotated import Calibration, Encoding
 from mopd.store.format.loading import load_part

@@ -7,8 +7,8 @@ from __future__ import annotations
 from mopd.base.devices import resolve_device
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.precompute import PrecomputeConfig
-from mopd.precompute.data import TokenizedRows
 from mopd.precompute.output_layer import resolve_dtype
+from mopd.precompute.rows import TokenizedRows
 from mopd.precompute.teachers import TeacherSet, tokenizer_info
 from mopd.store.format.layout import plan_tasks
 from mopd.store.format.manifest import (

@@ -23,11 +23,11 @@ from mopd.base.errors import ConfigError
 from mopd.config.mopd_config import MopdConfig
 from mopd.config.precompute import PrecomputeConfig
 from mopd.precompute.backends import HiddenStateSource, TeacherModel, load_teacher
-from mopd.precompute.data import TokenizedRows
 from mopd.precompute.ingest import ingest_cache, ingest_rows, publish_ingest_records
 from mopd.precompute.outputs import NoOutput, Output, StoreOutput
 from mopd.precompute.plan import build_plan, compute_dtype
 from mopd.precompute.progress import TokenProgress
+from mopd.precompute.rows import TokenizedRows
 from mopd.precompute.teachers import (
     TeacherSet,
     resolve_teachers,

@@ -13,10 +13,11 @@ import pytest
 from mopd.base.errors import ConfigError
 from mopd.config.precompute import DataConfig, RoutingConfig
 from mopd.precompute import data
-from mopd.precompute.data import TokenizedRows, tokenize_dataset
+from mopd.precompute.data import tokenize_dataset
 from mopd.precompute.ingest import ingest
 from mopd.precompute.records import load_records
 from mopd.precompute.routing import route
+from mopd.precompute.rows import TokenizedRows
 from tests.precompute.teachers import make_tokenizer, write_jsonl
 
 
