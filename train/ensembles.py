@@ -28,7 +28,7 @@ import torch
 from mopd.store.format.transform import LogitTransform
 from mopd.train.data.loader import MicroBatch
 from mopd.train.kernel.divergence import linear_divergence
-from mopd.train.kernel.ensemble import Member, mixture_divergence, teacher_scores
+from mopd.train.kernel.ensemble import Member, mixture_divergence, next_token_log_probs
 
 METHODS = ("mixture", "sum", "min_ce", "confidence")
 
@@ -69,10 +69,10 @@ class _Tokens:
         """The options the ensemble kernel takes (it has no compiled chain)."""
         return {k: v for k, v in self.options.items() if k != "compiled"}
 
-    def scores(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Teacher t's log-probabilities of the next token and of its own top token at its tokens."""
+    def next_token_log_probs(self, t: int) -> torch.Tensor:
+        """Teacher t's log-probability of the next token at each of its tokens."""
         pos = self.positions[t]
-        return teacher_scores(
+        return next_token_log_probs(
             self.mb.teacher_hidden[t],
             self.heads[t],
             self.mb.labels.to(pos.device)[pos],
@@ -155,7 +155,7 @@ def _min_ce(x: _Tokens) -> EnsembleLoss:
     labels = x.mb.labels.to(device)
     scores = torch.full((x.hidden.shape[0], max(x.positions) + 1), float("-inf"), device=device)
     for t, pos in x.positions.items():
-        label, _ = x.scores(t)
+        label = x.next_token_log_probs(t)
         # No next token: every member ties (the lowest index wins); a member never loses to a stranger.
         scores[pos, t] = torch.where(labels[pos] >= 0, label.clamp_min(-1e30), 0.0)
     chosen = scores.argmax(1)

@@ -302,7 +302,7 @@ def mixture_divergence(
 
 
 @torch.no_grad()
-def teacher_scores(
+def next_token_log_probs(
     hidden_NH: torch.Tensor,
     head: torch.Tensor,
     labels_N: torch.Tensor,
@@ -312,11 +312,10 @@ def teacher_scores(
     tp_group: Any = None,
     vocab_start: int = 0,
     vocab_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token, a teacher's log-probability (its own distribution, T = 1, transform applied) of the
-    token's label and of its own top token: ([N] log p(label), −inf where the label is negative, and
-    [N] log max_v p(v)). Chunked over tokens, the vocabulary split over `tp_group` as the divergence's
-    (O(chunk × V_local) memory; the statistics reduced over the group). No gradient.
+) -> torch.Tensor:
+    """[N] a teacher's log-probability (its own distribution, T = 1, transform applied) of each token's
+    label, −inf where the label is negative. Chunked over tokens, the vocabulary split over `tp_group`
+    as the divergence's (O(chunk × V_local) memory; the statistics reduced over the group). No gradient.
     """
     device = hidden_NH.device
     local_vocab = head.shape[0]
@@ -326,7 +325,6 @@ def teacher_scores(
     )
     chunk = chunk_size_for(chunk_size, device)
     label_N = torch.full((hidden_NH.shape[0],), float("-inf"), device=device)
-    top_N = torch.empty(hidden_NH.shape[0], device=device)
     weights = head.float()
     for start in range(0, hidden_NH.shape[0], chunk):
         rows = slice(start, start + chunk)
@@ -334,10 +332,9 @@ def teacher_scores(
         if valid is not None:
             logits.masked_fill_(~valid, float("-inf"))
         normaliser = _log_sum_exp(logits, tp_group)
-        top_N[rows] = all_reduce(logits.amax(1), dist.ReduceOp.MAX, tp_group) - normaliser
         local = labels_N[rows].to(device) - vocab_start
         here = (local >= 0) & (local < local_vocab)
         picked = torch.where(here, logits.gather(1, local.clamp(0, local_vocab - 1)[:, None])[:, 0], 0.0)
         picked = all_reduce(picked, dist.ReduceOp.SUM, tp_group)
         label_N[rows] = torch.where(labels_N[rows].to(device) >= 0, picked - normaliser, float("-inf"))
-    return label_N, top_N
+    return label_N
