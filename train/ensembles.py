@@ -27,8 +27,7 @@ import torch
 
 from mopd.store.format.transform import LogitTransform
 from mopd.train.data.loader import MicroBatch
-from mopd.train.kernel.divergence import linear_divergence
-from mopd.train.kernel.ensemble import Member, mixture_divergence, next_token_log_probs
+from mopd.train.kernel.ensemble import Member, mixture_divergence
 
 METHODS = ("mixture", "sum", "min_ce", "confidence")
 
@@ -68,20 +67,6 @@ class _Tokens:
     def kernel_options(self) -> dict[str, Any]:
         """The options the ensemble kernel takes (it has no compiled chain)."""
         return {k: v for k, v in self.options.items() if k != "compiled"}
-
-    def next_token_log_probs(self, t: int) -> torch.Tensor:
-        """Teacher t's log-probability of the next token at each of its tokens."""
-        pos = self.positions[t]
-        return next_token_log_probs(
-            self.mb.teacher_hidden[t],
-            self.heads[t],
-            self.mb.labels.to(pos.device)[pos],
-            transform=self.transforms[t],
-            chunk_size=self.options["chunk_size"],
-            tp_group=self.options["tp_group"],
-            vocab_start=self.options["vocab_start"],
-            vocab_size=self.options["vocab_size"],
-        )
 
 
 def ensemble_loss(
@@ -150,29 +135,27 @@ def _shares(
 
 
 def _min_ce(x: _Tokens) -> EnsembleLoss:
-    """Each token routed to the teacher most likely to emit its next token."""
-    device = x.hidden.device
-    labels = x.mb.labels.to(device)
-    scores = torch.full((x.hidden.shape[0], max(x.positions) + 1), float("-inf"), device=device)
-    for t, pos in x.positions.items():
-        label = x.next_token_log_probs(t)
-        # No next token: every member ties (the lowest index wins); a member never loses to a stranger.
-        scores[pos, t] = torch.where(labels[pos] >= 0, label.clamp_min(-1e30), 0.0)
-    chosen = scores.argmax(1)
-    own = {t: x.mb.teacher_hidden[t][chosen[pos] == t] for t, pos in x.positions.items()}
-    own = {t: h for t, h in own.items() if h.shape[0]}
-    out = linear_divergence(
+    """Each token routed to the teacher most likely to emit its next token, chosen in the kernel's pass."""
+    members = {
+        t: Member(pos, x.mb.teacher_hidden[t], x.weight[t].expand(pos.shape[0]))
+        for t, pos in x.positions.items()
+    }
+    out = mixture_divergence(
         x.hidden,
         x.head,
-        own,
-        {t: x.heads[t] for t in own},
-        chosen,
-        weights=x.norm * x.weight[chosen],
+        members,
+        x.heads,
+        weights=x.norm,
         teacher_transforms=x.transforms,
-        **x.options,
+        combine="min_ce",
+        labels=x.mb.labels,
+        **x.kernel_options(),
     )
-    picked = {t: (chosen[pos] == t).float() for t, pos in x.positions.items()}
-    shares = _shares(picked, x.positions, x.sets)
+    assert out.by_teacher is not None
+    chosen = torch.zeros_like(x.sets)
+    for t, pos in x.positions.items():
+        chosen[pos] += t * out.by_teacher[t].to(pos.device).long()
+    shares = _shares({t: p.to(x.sets.device) for t, p in out.by_teacher.items()}, x.positions, x.sets)
     return EnsembleLoss(out.loss, out.per_token, (out.per_token, torch.ones_like(chosen) << chosen), shares)
 
 

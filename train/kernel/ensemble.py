@@ -17,7 +17,13 @@ import torch
 import torch.distributed as dist
 
 from mopd.store.format.transform import LogitTransform
-from mopd.train.kernel.chunk_chain import NEEDS_P_T, all_reduce, chunk_size_for, soft_value_and_grad
+from mopd.train.kernel.chunk_chain import (
+    NEEDS_P_T,
+    all_reduce,
+    block_rows,
+    soft_in_blocks,
+    soft_value_and_grad,
+)
 from mopd.train.kernel.divergence import (
     KINDS,
     DivergenceOutput,
@@ -74,10 +80,25 @@ class _Members(_ChunkObjective):
             if first < stop:
                 yield t, slice(first, stop), member.positions[first:stop] - span.start
 
+    def output(self, out: DivergenceOutput) -> DivergenceOutput:
+        """The kernel's output with what this objective recorded on the way."""
+        return out
+
+    def chain(
+        self, buffers: dict[str, torch.Tensor], scale_C: torch.Tensor, plan: _Plan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The divergence chain over filled buffers: in cache-sized blocks on the CPU without tensor
+        parallelism (as the routed kernel's eager chain), whole otherwise."""
+        if plan.group is None and buffers["zs"].device.type == "cpu":
+            rows = block_rows(buffers)
+            return soft_in_blocks(buffers, rows, plan.valid, self.kind, self.beta, scale_C)
+        return soft_value_and_grad(buffers, plan.valid, self.kind, self.beta, scale_C, plan.group)
+
     def logits(self, t: int, rows: slice, out: torch.Tensor, plan: _Plan) -> torch.Tensor:
-        """Teacher t's tempered logits of its hidden rows `rows` into `out` (padded columns −inf)."""
+        """Teacher t's logits (T = 1) of its hidden rows `rows` into `out` (padded columns −inf); the
+        caller tempers them (`_temper`), after taking any statistic of its own distribution."""
         mm(operand(self.members[t].hidden[rows], plan.native), self.operands[t].T, out=out)
-        _temper(self.transforms[t].apply_(out), plan.temperature)
+        self.transforms[t].apply_(out)
         if plan.valid is not None:
             out.masked_fill_(~plan.valid, float("-inf"))
         return out
@@ -106,15 +127,20 @@ class _MixtureTargets(_Members):
         self.confident = {t: torch.zeros(m.positions.shape[0]) for t, m in self.members.items()}
         self.token_log_total = torch.full((num_tokens,), float("-inf"))
 
+    def output(self, out: DivergenceOutput) -> DivergenceOutput:
+        if self.confident is None or self.token_log_total is None:
+            return out
+        total = self.token_log_total
+        shares = {t: (w - total[self.members[t].positions]).exp() for t, w in self.confident.items()}
+        return replace(out, by_teacher=shares)
+
     def _confidence(
         self, t: int, rows: slice, logits: torch.Tensor, lse: torch.Tensor, plan: _Plan
     ) -> torch.Tensor:
-        """log(ŵ_k · max_v p_k(v)) at the rows, p_k at T = 1 (from the tempered `logits` and their
+        """log(ŵ_k · max_v p_k(v)) at the rows, p_k at T = 1 (the untempered `logits` and their
         log-sum-exp `lse`), recorded for the shares."""
         assert self.confident is not None
         top = all_reduce(logits.amax(1), dist.ReduceOp.MAX, plan.group)
-        if plan.temperature != 1.0:  # back to T = 1: its own log-sum-exp
-            top, lse = top * plan.temperature, _log_sum_exp(logits * plan.temperature, plan.group)
         log_weight = self.log_weights[t][rows] + top - lse
         self.confident[t][rows] = log_weight.cpu()
         return log_weight
@@ -131,13 +157,15 @@ class _MixtureTargets(_Members):
             whole = local.shape[0] == size
             first = whole and not started
             logits = self.logits(t, rows, mixture if first else full["one"][: rows.stop - rows.start], plan)
-            lse = _log_sum_exp(logits, plan.group)
-            log_weight = self.log_weights[t][rows]
+            log_weight, lse = self.log_weights[t][rows], None
             if self.confident is not None:
+                lse = _log_sum_exp(logits, plan.group, buffers["ps"])  # at T = 1
                 log_weight = self._confidence(t, rows, logits, lse, plan)
                 assert self.token_log_total is not None
                 at = local + span.start
                 self.token_log_total[at] = torch.logaddexp(self.token_log_total[at], log_weight.cpu())
+            if lse is None or plan.temperature != 1.0:
+                lse = _log_sum_exp(_temper(logits, plan.temperature), plan.group, buffers["ps"])
             logits.add_((log_weight - lse)[:, None])
             if not started and not first:
                 mixture.fill_(float("-inf"))
@@ -151,7 +179,62 @@ class _MixtureTargets(_Members):
                 mixture[local] = torch.logaddexp(mixture[local], logits)
         # Confident weights need no normalising here: the chain's log-softmax of the mixture removes any
         # per-token constant (their sum, kept for the shares).
-        return soft_value_and_grad(buffers, plan.valid, self.kind, self.beta, scale_C, plan.group)
+        return self.chain(buffers, scale_C, plan)
+
+
+class _ChoiceTargets(_Members):
+    """Per token, the divergence from the one teacher most likely to emit its next token (T = 1; the
+    lowest index on a tie and where there is no next token), weighing that teacher's weight. Chosen in
+    the same pass: each teacher's logits once a chunk, its rows that beat the best so far copied over
+    the target in place; one chain over the chosen targets."""
+
+    def __init__(
+        self,
+        kind: str,
+        beta: float,
+        members: Mapping[int, Member],
+        heads: Mapping[int, torch.Tensor],
+        transforms: Mapping[int, LogitTransform],
+        labels: tuple[torch.Tensor, int],
+    ) -> None:
+        super().__init__(kind, beta, members, heads, transforms, scratch=("one",))
+        self.labels, self.vocab_start = labels  # [N] each token's next token (negative: none)
+        self.chosen = torch.full(self.labels.shape, -1, dtype=torch.long)  # each token's teacher
+        self.values = torch.zeros(self.labels.shape)  # each token's divergence from its teacher
+
+    def output(self, out: DivergenceOutput) -> DivergenceOutput:
+        picked = {t: (self.chosen[m.positions] == t).float() for t, m in self.members.items()}
+        return replace(out, per_token=self.values.to(out.per_token.device), by_teacher=picked)
+
+    def value_and_grad(
+        self, full: dict[str, torch.Tensor], span: slice, scale_C: torch.Tensor, plan: _Plan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        size = span.stop - span.start
+        buffers = {name: full[name][:size] for name in self.chain_names}
+        target, device = buffers["zt"], buffers["zt"].device
+        best = torch.full((size,), float("-inf"), device=device)
+        chosen = torch.full((size,), -1, dtype=torch.long, device=device)
+        weight = torch.zeros(size, device=device)
+        for t, rows, local in self.scored(span):
+            local = local.to(device)
+            # The first teacher of every token of the chunk is written straight into the target.
+            first = local.shape[0] == size and bool((chosen < 0).all())
+            logits = self.logits(t, rows, target if first else full["one"][: rows.stop - rows.start], plan)
+            labels = self.labels[span][local]
+            score = _label_log_probs(logits, labels, self.vocab_start, plan.group, buffers["ps"])
+            score = torch.where(labels >= 0, score, 0.0)  # no next token: a tie
+            wins = (score > best[local]) | (chosen[local] < 0)  # ascending teachers: a tie keeps the first
+            at = local[wins]
+            best[at], chosen[at] = score[wins], t
+            weight[at] = self.members[t].weight[rows].to(device)[wins]
+            if not first:  # the winners' rows through a free chunk buffer: no allocation
+                won = torch.index_select(logits, 0, wins.nonzero()[:, 0], out=buffers["ps"][: at.shape[0]])
+                target.index_copy_(0, at, won)
+        _temper(target, plan.temperature)
+        scale_C = scale_C * weight
+        value, grad = self.chain(buffers, scale_C, plan)
+        self.values[span], self.chosen[span] = value.detach().cpu(), chosen.cpu()
+        return value * weight, grad
 
 
 class _SumTargets(_Members):
@@ -170,6 +253,9 @@ class _SumTargets(_Members):
         super().__init__(kind, beta, members, heads, transforms, scratch=("kept", "total"))
         self.values = {t: torch.zeros(m.positions.shape[0]) for t, m in members.items()}  # each D_k
 
+    def output(self, out: DivergenceOutput) -> DivergenceOutput:
+        return replace(out, by_teacher=self.values)
+
     def value_and_grad(
         self, full: dict[str, torch.Tensor], span: slice, scale_C: torch.Tensor, plan: _Plan
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,31 +267,44 @@ class _SumTargets(_Members):
             local = local.to(kept.device)
             chain = {name: full[name][: rows.stop - rows.start] for name in self.chain_names}
             torch.index_select(kept, 0, local, out=chain["zs"])
-            self.logits(t, rows, chain["zt"], plan)
+            _temper(self.logits(t, rows, chain["zt"], plan), plan.temperature)
             weight = self.members[t].weight[rows].to(kept.device)
-            got, grad = soft_value_and_grad(
-                chain, plan.valid, self.kind, self.beta, scale_C[local] * weight, plan.group
-            )
+            got, grad = self.chain(chain, scale_C[local] * weight, plan)
             self.values[t][rows] = got.detach().cpu()
             value.index_add_(0, local, weight * got)
             total.index_add_(0, local, grad)
         return value, total
 
 
-def _log_sum_exp(logits: torch.Tensor, group: Any) -> torch.Tensor:
-    """Each row's log Σ exp over the whole vocabulary (this rank's slice, reduced over the group)."""
+def _log_sum_exp(logits: torch.Tensor, group: Any, scratch: torch.Tensor) -> torch.Tensor:
+    """Each row's log Σ exp over the whole vocabulary (this rank's slice, reduced over the group); the
+    exps go to `scratch` (a chunk buffer free at that point: no [C, V] allocation a teacher)."""
     peak = all_reduce(logits.amax(1), dist.ReduceOp.MAX, group)
-    total = all_reduce((logits - peak[:, None]).exp_().sum(1), dist.ReduceOp.SUM, group)
-    return peak + total.log()
+    exps = torch.sub(logits, peak[:, None], out=scratch[: logits.shape[0]]).exp_()
+    return peak + all_reduce(exps.sum(1), dist.ReduceOp.SUM, group).log()
 
 
-def _log_weights(members: Mapping[int, Member], num_tokens: int) -> dict[int, torch.Tensor]:
-    """log(w_k / Σ_k w_k) of each member at its tokens.
+def _label_log_probs(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group: Any, scratch: torch.Tensor
+) -> torch.Tensor:
+    """Each row's log-probability of its label under `logits` (this rank's slice of the vocabulary,
+    from `vocab_start`; reduced over the group); a negative label gives a finite number to ignore."""
+    local = labels - vocab_start
+    here = (local >= 0) & (local < logits.shape[1])
+    picked = logits.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None])[:, 0]
+    picked = all_reduce(torch.where(here, picked, 0.0), dist.ReduceOp.SUM, group)
+    return picked - _log_sum_exp(logits, group, scratch)
+
+
+def _weight_totals(members: Mapping[int, Member], num_tokens: int) -> torch.Tensor:
+    """Each token's Σ_k w_k over its members (float64, on the CPU).
 
     Raises:
-        ValueError: a negative weight, or a token with no member of positive weight.
+        ValueError: members whose positions, rows and weights do not fit, a negative weight, or a token
+            no member scores.
     """
     total = torch.zeros(num_tokens, dtype=torch.float64)
+    count = torch.zeros(num_tokens, dtype=torch.long)
     for t, member in members.items():
         if (
             member.weight.shape != member.positions.shape
@@ -217,6 +316,18 @@ def _log_weights(members: Mapping[int, Member], num_tokens: int) -> dict[int, to
         if member.positions.numel() and not bool((member.positions[1:] > member.positions[:-1]).all()):
             raise ValueError(f"teacher {t}: positions must ascend, each token once")
         total.index_add_(0, member.positions.cpu(), member.weight.detach().cpu().double())
+        count.index_add_(0, member.positions.cpu(), torch.ones_like(member.positions.cpu()))
+    if bool((count == 0).any()):
+        raise ValueError(f"token {int((count == 0).nonzero()[0])} has no teacher; every token needs one")
+    return total
+
+
+def _log_weights(members: Mapping[int, Member], total: torch.Tensor) -> dict[int, torch.Tensor]:
+    """log(w_k / Σ_k w_k) of each member at its tokens, `total` each token's Σ_k w_k.
+
+    Raises:
+        ValueError: a token whose members all weigh 0 (a mixture of none).
+    """
     if bool((total <= 0).any()):
         token = int((total <= 0).nonzero()[0])
         raise ValueError(f"token {token} has no teacher of positive weight; every token needs one")
@@ -241,8 +352,9 @@ def mixture_divergence(
     vocab_start: int = 0,
     vocab_size: int | None = None,
     teacher_transforms: Mapping[int, LogitTransform] | None = None,
-    combine: Literal["mixture", "sum"] = "mixture",
+    combine: Literal["mixture", "sum", "min_ce"] = "mixture",
     confident: bool = False,
+    labels: torch.Tensor | None = None,
 ) -> DivergenceOutput:
     """Σ_n weights_n · D(p_student,n ‖ Σ_k w_k,n p_k,n) without any [N, V] tensor: each token's target
     is the mixture of the (tempered) distributions of the teachers that score it (`members`), with
@@ -253,7 +365,10 @@ def mixture_divergence(
     values are Σ_k w_k D_k and its `by_teacher` each teacher's own D_k at its tokens. With `confident`
     (a mixture): each weight is multiplied by the teacher's probability of its own top token (at T = 1)
     before the per-token normalisation, in the same pass; `by_teacher` holds each teacher's normalised
-    weight at its tokens.
+    weight at its tokens. With `combine="min_ce"` and `labels` [N] (each token's next token, negative
+    where there is none): Σ_n weights_n w_k*,n D(p_student,n ‖ p_k*,n), k* the member with the highest
+    p_k(label) at T = 1 (the lowest index on a tie or without a label), chosen in the same pass; the
+    per-token values are D to k*, and `by_teacher` is 1 where a member was chosen, 0 elsewhere.
 
     Raises:
         ValueError: unknown kind, a teacher without a head, weights or positions that do not fit, or a
@@ -273,11 +388,17 @@ def mixture_divergence(
     given = {t: Member(m.positions.cpu(), m.hidden.detach(), m.weight.detach()) for t, m in members.items()}
     heads = {t: teacher_heads[t].detach() for t in members}
     transforms = {t: (teacher_transforms or {}).get(t, LogitTransform()) for t in members}
-    objective: _MixtureTargets | _SumTargets
+    total = _weight_totals(given, num_tokens)
+    objective: _MixtureTargets | _SumTargets | _ChoiceTargets
     if combine == "sum":
         objective = _SumTargets(kind, float(beta), given, heads, transforms)
+    elif combine == "min_ce":
+        if labels is None or labels.shape != (num_tokens,):
+            raise ValueError(f"min_ce needs labels of shape ({num_tokens},), one a token")
+        chosen_by = (labels.to(device), vocab_start)
+        objective = _ChoiceTargets(kind, float(beta), given, heads, transforms, chosen_by)
     else:
-        log_weights = {t: w.to(device) for t, w in _log_weights(members, num_tokens).items()}
+        log_weights = {t: w.to(device) for t, w in _log_weights(given, total).items()}
         objective = _MixtureTargets(kind, float(beta), given, log_weights, heads, transforms)
         if confident:
             objective.confide(num_tokens)
@@ -292,49 +413,4 @@ def mixture_divergence(
         tp_group=tp_group,
         compiled=False,
     )
-    if isinstance(objective, _SumTargets):
-        return replace(out, by_teacher=objective.values)
-    if objective.confident is not None and objective.token_log_total is not None:
-        total = objective.token_log_total
-        shares = {t: (w - total[given[t].positions]).exp() for t, w in objective.confident.items()}
-        return replace(out, by_teacher=shares)
-    return out
-
-
-@torch.no_grad()
-def next_token_log_probs(
-    hidden_NH: torch.Tensor,
-    head: torch.Tensor,
-    labels_N: torch.Tensor,
-    *,
-    transform: LogitTransform | None = None,
-    chunk_size: int | Literal["auto"] = "auto",
-    tp_group: Any = None,
-    vocab_start: int = 0,
-    vocab_size: int | None = None,
-) -> torch.Tensor:
-    """[N] a teacher's log-probability (its own distribution, T = 1, transform applied) of each token's
-    label, −inf where the label is negative. Chunked over tokens, the vocabulary split over `tp_group`
-    as the divergence's (O(chunk × V_local) memory; the statistics reduced over the group). No gradient.
-    """
-    device = hidden_NH.device
-    local_vocab = head.shape[0]
-    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    valid = valid_columns(
-        vocab_start, local_vocab, local_vocab * tp_size if vocab_size is None else vocab_size, device
-    )
-    chunk = chunk_size_for(chunk_size, device)
-    label_N = torch.full((hidden_NH.shape[0],), float("-inf"), device=device)
-    weights = head.float()
-    for start in range(0, hidden_NH.shape[0], chunk):
-        rows = slice(start, start + chunk)
-        logits = (transform or LogitTransform()).apply_(hidden_NH[rows].float() @ weights.T)
-        if valid is not None:
-            logits.masked_fill_(~valid, float("-inf"))
-        normaliser = _log_sum_exp(logits, tp_group)
-        local = labels_N[rows].to(device) - vocab_start
-        here = (local >= 0) & (local < local_vocab)
-        picked = torch.where(here, logits.gather(1, local.clamp(0, local_vocab - 1)[:, None])[:, 0], 0.0)
-        picked = all_reduce(picked, dist.ReduceOp.SUM, tp_group)
-        label_N[rows] = torch.where(labels_N[rows].to(device) >= 0, picked - normaliser, float("-inf"))
-    return label_N
+    return objective.output(out)
