@@ -35,7 +35,7 @@ from mopd.precompute.cross_rows import (
     empty_columns,
     refuse_given_ids,
 )
-from mopd.precompute.routing import route, row_set
+from mopd.precompute.routing import own_aliases, route, row_set
 from mopd.precompute.row_checks import check_number_columns, check_row_format, given_ids, given_mask
 from mopd.precompute.rows import TokenizedRows, rows_fingerprint
 from mopd.store.format.layout import TEACHER_SET
@@ -246,15 +246,8 @@ def own_teachers(
     """Each row's own list of aliases in the `routing.teachers_field` column (None where it has none)."""
     if routing.teachers_field is None or routing.teachers_field not in batch:
         return None
-    out: list[list[str] | None] = []
-    for k, value in enumerate(batch[routing.teachers_field]):
-        if value is not None and not (isinstance(value, list) and all(isinstance(a, str) for a in value)):
-            raise ConfigError(
-                f"row {indices[k]}: {routing.teachers_field} is {value!r}; it holds a list of teacher "
-                "aliases (or null to route the row by its agent)"
-            )
-        out.append(value)
-    return out
+    field = routing.teachers_field
+    return [own_aliases(value, row=indices[k], field=field) for k, value in enumerate(batch[field])]
 
 
 def _teacher_row(

@@ -9,7 +9,8 @@ index, and the whole set (`store.format.layout.set_mask`), each checkpoint once 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 from mopd.base.errors import ConfigError
 from mopd.config.precompute import RoutingConfig, alias_list
@@ -49,13 +50,36 @@ def route(
     return out
 
 
+def own_aliases(value: Any, *, row: int | str, field: str | None) -> list[str] | None:
+    """A row's own list of aliases as its `routing.teachers_field` column holds it (None: the row is
+    routed by its agent).
+
+    Raises:
+        ConfigError: naming the row, a value that is not a list of aliases.
+    """
+    if value is not None and not (isinstance(value, list) and all(isinstance(a, str) for a in value)):
+        raise ConfigError(
+            f"row {row}: {field} is {value!r}; it holds a list of teacher aliases (or null to route the "
+            "row by its agent)"
+        )
+    return value
+
+
+def check_aliases(aliases: list[str], known: Collection[str], *, row: int | str, field: str | None) -> None:
+    """
+    Raises:
+        ConfigError: naming the row, an empty list or one with an alias that is not a teacher's.
+    """
+    unknown = [a for a in aliases if a not in known]
+    if unknown or not aliases:
+        what = f"names alias {unknown[0]!r}, not one of {sorted(known)}" if unknown else "is empty"
+        raise ConfigError(f"row {row}: its {field} list {what}; correct the dataset")
+
+
 def _teachers(
     row: int, aliases: list[str], routing: RoutingConfig, alias_index: Mapping[str, int]
 ) -> tuple[int, ...]:
-    unknown = [a for a in aliases if a not in alias_index]
-    if unknown or not aliases:
-        what = f"names alias {unknown[0]!r}, not one of {sorted(alias_index)}" if unknown else "is empty"
-        raise ConfigError(f"row {row}: its {routing.teachers_field} list {what}; correct the dataset")
+    check_aliases(aliases, alias_index, row=row, field=routing.teachers_field)
     teachers = tuple(sorted({alias_index[a] for a in aliases}))
     if len(teachers) > 1 and max(alias_index.values()) > MAX_SET_TEACHER:
         raise ConfigError(

@@ -17,6 +17,7 @@ from mopd.config.mopd_config import MopdConfig
 from mopd.config.rollout import RolloutConfig
 from mopd.precompute.data import render_chat
 from mopd.precompute.records import load_records
+from mopd.precompute.routing import check_aliases, own_aliases
 
 PromptFormat = Literal["prompt", "messages"]
 
@@ -27,6 +28,7 @@ class Prompt:
     key: str  # its `id`, else `p<index>`
     ids: list[int]
     route: str | None  # its routing column's value, when the dataset has one
+    teachers: list[str] | None  # its own teachers (`routing.teachers_field`), when it has a list
     text: str | None  # prompt format
     messages: list[dict[str, str]] | None  # messages format
     truncated: bool
@@ -54,6 +56,7 @@ class PromptSet:
     prompts: list[Prompt]
     format: PromptFormat
     route_field: str | None  # the routing column carried over, None when the dataset has none
+    teachers_field: str | None  # `routing.teachers_field` carried over, None when the dataset has none
     num_dropped: int
     fingerprint: str  # sha256 of every prompt's ids and key: what a resumed rollout must continue
     turn_end: list[int]  # messages format: the ids that close an assistant turn (chat_turn_end)
@@ -118,7 +121,8 @@ def read_prompts(config: MopdConfig, rollout: RolloutConfig, tokenizer: Any, *, 
             f"{config.data.max_length}; lower it or raise data.max_length"
         )
     field = config.routing.field if config.routing.field in columns else None
-    if field is None and config.routing.default_teacher is None:
+    own_field = config.routing.teachers_field if config.routing.teachers_field in columns else None
+    if field is None and own_field is None and config.routing.default_teacher is None:
         raise ConfigError(
             f"rollout.prompts {path} has no routing column {config.routing.field!r} (columns: "
             f"{sorted(columns)}); add it, or set routing.default_teacher"
@@ -126,7 +130,8 @@ def read_prompts(config: MopdConfig, rollout: RolloutConfig, tokenizer: Any, *, 
     prompts, dropped = [], 0
     digest = hashlib.sha256()
     for row, record in enumerate(records):
-        route = _route(record, field, config, path=path, row=row)
+        teachers = _own_teachers(record, own_field, config, path=path, row=row)
+        route = _route(record, field, config, path=path, row=row, own=teachers is not None)
         ids = _tokenize(tokenizer, record, fmt, row)
         cut = len(ids) > room
         if cut and config.data.overlong == "drop":
@@ -141,12 +146,15 @@ def read_prompts(config: MopdConfig, rollout: RolloutConfig, tokenizer: Any, *, 
         ids = ids[:room]
         key = str(record["id"]) if record.get("id") is not None else f"p{row}"
         digest.update(f"{key}\0{ids}\0".encode())
+        if teachers is not None:  # what precompute will route it to: a resume must not mix two lists
+            digest.update(f"teachers\0{teachers}\0".encode())
         prompts.append(
             Prompt(
                 index=row,
                 key=key,
                 ids=ids,
                 route=route,
+                teachers=teachers,
                 text=tokenizer.decode(ids, skip_special_tokens=False) if cut else record.get("prompt"),
                 messages=record.get("messages") if fmt == "messages" else None,
                 truncated=cut,
@@ -154,21 +162,40 @@ def read_prompts(config: MopdConfig, rollout: RolloutConfig, tokenizer: Any, *, 
         )
     if not prompts:
         raise ConfigError(f"rollout.prompts {path}: no prompt is left (all {dropped} are over the limit)")
-    return PromptSet(prompts, fmt, field, dropped, digest.hexdigest(), turn_end)
+    return PromptSet(prompts, fmt, field, own_field, dropped, digest.hexdigest(), turn_end)
+
+
+def _own_teachers(
+    record: dict[str, Any], field: str | None, config: MopdConfig, *, path: str, row: int
+) -> list[str] | None:
+    """The row's own list of teachers (`routing.teachers_field`), checked as precompute will check it;
+    None where it has none (it is routed by its agent).
+
+    Raises:
+        ConfigError: naming the row, a value that is not a list of the config's teacher aliases.
+    """
+    if field is None:
+        return None
+    where = f"{row} of rollout.prompts {path}"
+    aliases = own_aliases(record.get(field), row=where, field=field)
+    if aliases is not None:
+        check_aliases(aliases, config.teachers, row=where, field=field)
+    return aliases
 
 
 def _route(
-    record: dict[str, Any], field: str | None, config: MopdConfig, *, path: str, row: int
+    record: dict[str, Any], field: str | None, config: MopdConfig, *, path: str, row: int, own: bool
 ) -> str | None:
     """The row's routing value, checked as precompute will route it: a sample whose agent has no
-    teacher would be written, then refused by precompute far from its cause.
+    teacher would be written, then refused by precompute far from its cause. A row with its own
+    teachers (`own`) needs no agent.
 
     Raises:
         ConfigError: naming the row, when the value is missing or names no teacher and there is no
             `routing.default_teacher`.
     """
     value = record.get(field) if field is not None else None
-    if config.routing.default_teacher is not None:
+    if config.routing.default_teacher is not None or own:
         return None if value is None else str(value)
     if value is None:
         raise ConfigError(

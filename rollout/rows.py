@@ -50,10 +50,12 @@ PROVENANCE = [
 ]
 
 
-def row_schema(fmt: PromptFormat, route_field: str | None) -> pa.Schema:
+def row_schema(fmt: PromptFormat, route_field: str | None, teachers_field: str | None = None) -> pa.Schema:
     fields: list[tuple[str, pa.DataType]] = [("id", pa.string())]
     if route_field is not None:
         fields.append((route_field, pa.string()))
+    if teachers_field is not None:
+        fields.append((teachers_field, pa.list_(pa.string())))
     if fmt == "messages":
         fields.append(("messages", pa.list_(MESSAGE)))
     else:
@@ -77,6 +79,7 @@ def sample_row(
     turn_end: Sequence[int],
     route_field: str | None,
     provenance: Mapping[str, Any],
+    teachers_field: str | None = None,
 ) -> dict[str, Any]:
     """One row: the prompt's ids, the sampled ids (a stopped chat turn closed by the template), text."""
     sampled = completion.token_ids
@@ -92,6 +95,8 @@ def sample_row(
     row: dict[str, Any] = {"id": f"{prompt.key}/s{provenance['sample_index']}"}
     if route_field is not None:
         row[route_field] = prompt.route
+    if teachers_field is not None:
+        row[teachers_field] = prompt.teachers
     if fmt == "messages":
         turns = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt.messages or []]
         row["messages"] = [*turns, {"role": "assistant", "content": text}]

@@ -121,7 +121,7 @@ class RolloutPlan:
 
     @property
     def schema(self) -> pa.Schema:
-        return row_schema(self.prompts.format, self.prompts.route_field)
+        return row_schema(self.prompts.format, self.prompts.route_field, self.prompts.teachers_field)
 
     @property
     def batches(self) -> list[list[Prompt]]:
@@ -137,6 +137,7 @@ class RolloutPlan:
                 tokenizer=self.tokenizer,
                 turn_end=self.prompts.turn_end,
                 route_field=self.prompts.route_field,
+                teachers_field=self.prompts.teachers_field,
                 provenance={
                     **self.provenance,
                     "prompt_index": prompt.index,

@@ -77,6 +77,12 @@ def test_bad_prompt_rows(models: Models, tmp_path: Path) -> None:
     stray = text_prompts(3)
     stray[1]["agent"] = "poetry"
     fails_with(rollout_config(tmp_path / "f", models, stray), "row 1: agent 'poetry' has no teacher")
+    # A row's own list of teachers (routing.teachers_field) is checked as precompute checks it.
+    listed = text_prompts(3)
+    listed[1]["teachers"] = ["math", "poetry"]
+    config = rollout_config(tmp_path / "g", models, listed)
+    config.write_text(config.read_text() + "routing: {teachers_field: teachers}\n")
+    fails_with(config, "row 1 of rollout.prompts", "its teachers list names alias 'poetry', not one of")
     assert (
         not (tmp_path / "e" / "samples.parquet").exists()
         and not (tmp_path / "f" / "samples.parquet").exists()

@@ -13,13 +13,16 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 
 from mopd.config.mopd_config import load_config
 from mopd.config.precompute import DataConfig, RoutingConfig
 from mopd.precompute.data import tokenize_dataset
 from mopd.precompute.records import load_records
 from mopd.precompute.teachers import load_tokenizer
+from mopd.rollout.prompts import read_prompts
 from mopd.rollout.runner import run_rollout
+from mopd.store.format.layout import set_mask
 from tests.mopd_process import run_mopd_process
 from tests.rollout.conftest import Models, chat_prompts, rollout_config, text_prompts
 
@@ -243,3 +246,45 @@ def test_the_checkpoints_own_generation_defaults_do_not_apply(models: Models, tm
     own = run_rollout(config, student=str(opinionated), log=lambda _line: None).output
     ids = [pq.read_table(path).column("input_ids").to_pylist() for path in (plain, own)]
     assert ids[0] == ids[1]
+
+
+def own_teachers_config(folder: Path, models: Models, prompts: list[dict[str, Any]]) -> Any:
+    """The rollout config with `routing.teachers_field: teachers`, loaded."""
+    path = rollout_config(folder, models, prompts, samples_per_prompt=2, max_new_tokens=4)
+    raw = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**raw, "routing": {"teachers_field": "teachers"}}))
+    return load_config(path)
+
+
+def test_a_rows_own_teachers_are_carried_to_precompute(models: Models, tmp_path: Path) -> None:
+    """`routing.teachers_field` lists travel with their rows' samples (issue 49): a row with its own
+    list needs no agent, a null list routes by agent, and precompute's ingest routes each sample to its
+    prompt's set. A changed list is another prompt set (a resume does not mix them)."""
+    prompts = text_prompts(3)
+    prompts[0]["teachers"] = ["math", "code"]
+    del prompts[0]["agent"]
+    prompts[1]["teachers"] = None
+    prompts[2]["teachers"] = ["code"]
+    config = own_teachers_config(tmp_path / "a", models, prompts)
+    output = run_rollout(config, log=lambda _line: None).output
+    rows = pq.read_table(output).to_pylist()
+    assert [r["teachers"] for r in rows] == [p["teachers"] for p in prompts for _ in range(2)]
+    tokenizer = load_tokenizer(str(models.other))
+    ingested = tokenize_dataset(
+        load_records(output),
+        data=DataConfig(path=str(output), max_length=64),
+        routing=RoutingConfig(teachers_field="teachers"),
+        agent_to_alias={"math": "math", "code": "code"},
+        alias_index={"math": 0, "code": 1},
+        tokenizer=tokenizer,
+    )
+    agent = {"math": 0, "code": 1}[prompts[1]["agent"]]
+    want = [set_mask((0, 1))] * 2 + [set_mask((agent,))] * 2 + [set_mask((1,))] * 2
+    assert ingested.teacher_set is not None and ingested.teacher_set.tolist() == want
+
+    def fingerprint(config: Any) -> str:
+        assert config.rollout is not None
+        return read_prompts(config, config.rollout, tokenizer, path=config.rollout.prompts).fingerprint
+
+    prompts[2]["teachers"] = ["math"]
+    assert fingerprint(config) != fingerprint(own_teachers_config(tmp_path / "b", models, prompts))
