@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mopd.store.format.transform import LogitTransform
+from mopd.tokens.projection import Projection
 from mopd.train.data.loader import MicroBatch
 from mopd.train.kernel.ensemble import Member, mixture_divergence
 
@@ -58,6 +59,20 @@ class _Tokens:
     transforms: Mapping[int, LogitTransform]
     options: dict[str, Any]
     positions: dict[int, torch.Tensor]
+    projections: Mapping[int, Projection]
+
+    def members(self, weight_of: Mapping[int, torch.Tensor] | None = None) -> dict[int, Member]:
+        """Each teacher's `Member`: its tokens, states and weight there (`weight_of[t]`, else its weight
+        at every token), and its projection where its vocabulary is not the student's."""
+        return {
+            t: Member(
+                pos,
+                self.mb.teacher_hidden[t],
+                weight_of[t] if weight_of is not None else self.weight[t].expand(pos.shape[0]),
+                self.projections.get(t),
+            )
+            for t, pos in self.positions.items()
+        }
 
     @property
     def sets(self) -> torch.Tensor:
@@ -79,15 +94,28 @@ def ensemble_loss(
     heads: Mapping[int, torch.Tensor],
     transforms: Mapping[int, LogitTransform],
     options: dict[str, Any],
+    projections: Mapping[int, Projection] | None = None,
 ) -> EnsembleLoss:
     """The loss of the microbatch's tokens under `method` (module docstring); `norm_N` each token's
-    normaliser, `weight_of[t]` teacher t's weight, `heads` this rank's slice of each teacher's head."""
+    normaliser, `weight_of[t]` teacher t's weight, `heads` this rank's slice of each teacher's head
+    (a teacher of another vocabulary: its whole head, and its projection in `projections`)."""
     assert mb.teacher_set is not None
     device = hidden_NH.device
     positions = {
         t: p.to(device) for t, p in scored_positions(mb.teacher_set, sorted(mb.teacher_hidden)).items()
     }
-    tokens = _Tokens(hidden_NH, head, mb, norm_N, weight_of.to(device), heads, transforms, options, positions)
+    tokens = _Tokens(
+        hidden_NH,
+        head,
+        mb,
+        norm_N,
+        weight_of.to(device),
+        heads,
+        transforms,
+        options,
+        positions,
+        projections or {},
+    )
     if method == "sum":
         return _sum(tokens)
     if method == "min_ce":
@@ -106,7 +134,7 @@ def _mixture(x: _Tokens, *, confident: bool) -> EnsembleLoss:
         count[pos] += 1
     # A token whose teachers all weigh 0 trains nothing; its target is their plain mixture.
     member_weight = {t: torch.where(total[pos] > 0, x.weight[t], 1.0) for t, pos in x.positions.items()}
-    members = {t: Member(pos, x.mb.teacher_hidden[t], member_weight[t]) for t, pos in x.positions.items()}
+    members = x.members(member_weight)
     out = mixture_divergence(
         x.hidden,
         x.head,
@@ -136,10 +164,7 @@ def _shares(
 
 def _min_ce(x: _Tokens) -> EnsembleLoss:
     """Each token routed to the teacher most likely to emit its next token, chosen in the kernel's pass."""
-    members = {
-        t: Member(pos, x.mb.teacher_hidden[t], x.weight[t].expand(pos.shape[0]))
-        for t, pos in x.positions.items()
-    }
+    members = x.members()
     out = mixture_divergence(
         x.hidden,
         x.head,
@@ -161,10 +186,7 @@ def _min_ce(x: _Tokens) -> EnsembleLoss:
 
 def _sum(x: _Tokens) -> EnsembleLoss:
     """Σ_k w_k D(p_s ‖ p_k) over each token's teachers, in one fused pass."""
-    members = {
-        t: Member(pos, x.mb.teacher_hidden[t], x.weight[t].expand(pos.shape[0]))
-        for t, pos in x.positions.items()
-    }
+    members = x.members()
     out = mixture_divergence(
         x.hidden,
         x.head,

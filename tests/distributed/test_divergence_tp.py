@@ -351,14 +351,16 @@ def test_a_mixture_under_tensor_parallelism_equals_the_float64_reference() -> No
         assert_close(head, grad_head, rtol=RTOL, norm=True, what=f"{kind} grad_head")
 
 
-def _methods_worker(rank: int, world: int) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
+def _methods_worker(rank: int, world: int, cross: bool) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
     from mopd.store.format.transform import LogitTransform
     from mopd.train.ensembles import METHODS, ensemble_loss
     from tests.train.test_teacher_sets import WEIGHTS, N, V, case
+    from tests.train.test_teacher_sets_cross import cross_case
 
-    hs, ws, mb, heads = case(seed=13)
+    hs, ws, mb, heads, projections = cross_case(seed=13) if cross else (*case(seed=13), {})
     ws_local, start = shard(ws, rank, world)
-    local_heads = {t: shard(head, rank, world)[0] for t, head in heads.items()}
+    # A teacher of another vocabulary keeps its head whole on every rank (projected onto each slice).
+    local_heads = {t: head if t in projections else shard(head, rank, world)[0] for t, head in heads.items()}
     norm = torch.full((N,), 1.0 / N)
     out = {}
     for method, kind in itertools.product(METHODS, KINDS_TP):
@@ -366,7 +368,9 @@ def _methods_worker(rank: int, world: int) -> dict[tuple[str, str], dict[str, to
         settings = dict(kind=kind, beta=0.5, temperature=0.7, chunk_size=6, compiled=False)
         settings |= dict(tp_group=dist.group.WORLD, vocab_start=start, vocab_size=V)
         transforms = {t: LogitTransform() for t in heads}
-        result = ensemble_loss(method, h, w, mb, norm, WEIGHTS, local_heads, transforms, settings)
+        result = ensemble_loss(
+            method, h, w, mb, norm, WEIGHTS, local_heads, transforms, settings, projections
+        )
         result.loss.backward()
         assert h.grad is not None and w.grad is not None
         rows = max(0, min(w.shape[0], V - start))
@@ -374,23 +378,30 @@ def _methods_worker(rank: int, world: int) -> dict[tuple[str, str], dict[str, to
     return out
 
 
-def test_each_ensemble_method_under_tensor_parallelism_equals_the_float64_reference() -> None:
+@pytest.mark.parametrize("cross", [False, True], ids=["one vocabulary", "a teacher of another"])
+def test_each_ensemble_method_under_tensor_parallelism_equals_the_float64_reference(cross: bool) -> None:
     """`mixture`, `sum`, `min_ce` and `confidence` (teachers' next-token and top-token probabilities
-    reduced over the group), the vocabulary (97, padded to 2 × 49) split over 2 gloo ranks, every kind:
-    values and gradients against the float64 reference within tests/train/test_teacher_sets.py's bound
-    (the split only reorders the sums' terms)."""
-    from tests.train.test_teacher_sets import RTOL, N, case, reference
+    reduced over the group), the vocabulary (97, padded to 2 × 49) split over 2 gloo ranks, every kind,
+    with and without a teacher of another vocabulary (its projection onto each rank's slice; the columns
+    a token's target reaches none of leave it on each rank): values and gradients against the float64
+    reference within tests/train/test_teacher_sets*.py's bounds (the split only reorders the sums' terms)."""
+    from tests.train import test_teacher_sets as same
+    from tests.train import test_teacher_sets_cross as other
 
-    results = run_distributed(_methods_worker, world_size=2, timeout=120)
-    hs, ws, mb, heads = case(seed=13)
+    results = run_distributed(_methods_worker, world_size=2, args=(cross,), timeout=120)
+    norm = torch.full((same.N,), 1.0 / same.N)
+    hs, ws, mb, heads, projections = other.cross_case(seed=13) if cross else (*same.case(seed=13), {})
+    rtol = other.RTOL if cross else same.RTOL
     for (method, kind), got_rank0 in results[0].items():
-        _, per_token, grad_hidden, grad_head = reference(
-            method, hs, ws, mb, heads, torch.full((N,), 1.0 / N), kind, 0.7
-        )
+        if cross:
+            want = other.reference(method, hs, ws, mb, heads, projections, norm, kind, 0.7)
+        else:
+            want = same.reference(method, hs, ws, mb, heads, norm, kind, 0.7)
+        _, per_token, grad_hidden, grad_head = want
         for got in (got_rank0, results[1][method, kind]):
-            assert_close(got["per_token"], per_token, rtol=RTOL, norm=True, what=f"{method} {kind} per_token")
+            assert_close(got["per_token"], per_token, rtol=rtol, norm=True, what=f"{method} {kind} per_token")
             assert_close(
-                got["grad_hidden"], grad_hidden, rtol=RTOL, norm=True, what=f"{method} {kind} grad_hidden"
+                got["grad_hidden"], grad_hidden, rtol=rtol, norm=True, what=f"{method} {kind} grad_hidden"
             )
         head = torch.cat([results[r][method, kind]["grad_head"] for r in range(2)])
-        assert_close(head, grad_head, rtol=RTOL, norm=True, what=f"{method} {kind} grad_head")
+        assert_close(head, grad_head, rtol=rtol, norm=True, what=f"{method} {kind} grad_head")

@@ -115,7 +115,9 @@ def test_a_token_without_a_teacher_or_a_negative_weight_is_refused() -> None:
     }
     for combine in ("mixture", "sum", "min_ce"):
         with pytest.raises(ValueError, match="token 0 has no teacher; every token needs one"):
-            mixture_divergence(hs, ws, dropped, heads, combine=combine, labels=torch.zeros(hs.shape[0], dtype=torch.long))
+            mixture_divergence(
+                hs, ws, dropped, heads, combine=combine, labels=torch.zeros(hs.shape[0], dtype=torch.long)
+            )
     weightless = {t: Member(m.positions, m.hidden, torch.zeros_like(m.weight)) for t, m in members.items()}
     with pytest.raises(ValueError, match="token 0 has no teacher of positive weight"):
         mixture_divergence(hs, ws, weightless, heads)

@@ -80,7 +80,8 @@ def soft_value_and_grad(
     """Per-token value [C] and scale_C ⊙ d value / d z_s [C, V] from tempered logits, in place: the
     gradient takes the place of `zs`.
 
-    `zs` and `zt` hold the tempered logits (masked columns −inf) and become log p_s and log p_t, then
+    `zs` and `zt` hold the tempered logits (masked columns −inf: `valid_V` [V] the columns of every
+    token, or [C, V] each token's own) and become log p_s and log p_t, then
     scratch; `ps` holds p_s. Reverse KL, cross-entropy and entropy need nothing more: 3 buffers of
     [C, V]. Forward KL adds `pt`; JSD and TVD add `work` and a few temporaries. Each side's exp is taken
     once (the probabilities are the exps over their sum, not exps of the log-probabilities), which is
@@ -150,11 +151,13 @@ def soft_in_blocks(
     scale_C: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`soft_value_and_grad` without tensor parallelism, `rows` rows at a time (each row's value and
-    gradient depend on that row alone); the gradient takes the place of `zs`, as there."""
+    gradient depend on that row alone); the gradient takes the place of `zs`, as there. `valid_V` is
+    [V], or [C, V] a mask per token."""
+    per_token = valid_V is not None and valid_V.dim() == 2
     values = [
         soft_value_and_grad(
             {name: b[start : start + rows] for name, b in buffers.items()},
-            valid_V,
+            valid_V[start : start + rows] if per_token and valid_V is not None else valid_V,
             kind,
             beta,
             scale_C[start : start + rows],

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from mopd.store.format.transform import LogitTransform
+from mopd.tokens.projection import Projection
 from mopd.train.kernel.chunk_chain import (
     NEEDS_P_T,
     all_reduce,
@@ -35,6 +36,7 @@ from mopd.train.kernel.divergence import (
     valid_columns,
 )
 from mopd.train.kernel.gemm import mm, operand
+from mopd.train.kernel.projected import LocalProjection, project_log_probs
 
 
 @dataclass(frozen=True)
@@ -46,11 +48,16 @@ class Member:
     positions: torch.Tensor  # [N_t] long
     hidden: torch.Tensor  # [N_t, H_t]
     weight: torch.Tensor  # [N_t]
+    # A teacher of another vocabulary: its distribution projected onto the student's (DESIGN §13).
+    projection: Projection | None = None
 
 
 class _Members(_ChunkObjective):
     """Teachers that each score some of the tokens (`Member`s): their heads made GEMM operands once,
-    their tempered logits over a chunk's tokens, chunk by chunk."""
+    their tempered logits over a chunk's tokens, chunk by chunk. A teacher of another vocabulary gives
+    its projected log-probabilities in place of logits (projected first, then combined); the columns a
+    token's target reaches none of leave both softmaxes, token by token (`chain`), as the routed
+    projected kernel leaves out the columns its projection reaches none of."""
 
     def __init__(
         self,
@@ -67,6 +74,10 @@ class _Members(_ChunkObjective):
         self.chain_names = tuple([*names, *(["work"] if kind in ("jsd", "tvd") else [])])
         self.buffer_names = (*self.chain_names, *scratch)
         self.operands: dict[int, torch.Tensor] = {}  # each head as a GEMM operand (`prepare`)
+        self.local: dict[int, LocalProjection] = {}  # each projection's entries in this rank's slice
+
+    def project(self, local: Mapping[int, LocalProjection]) -> None:
+        self.local = dict(local)
 
     def prepare(self, full: dict[str, torch.Tensor], plan: _Plan) -> None:
         # Every chunk meets every teacher: each head becomes a GEMM operand once, not once a chunk.
@@ -85,23 +96,55 @@ class _Members(_ChunkObjective):
         return out
 
     def chain(
-        self, buffers: dict[str, torch.Tensor], scale_C: torch.Tensor, plan: _Plan
+        self, buffers: dict[str, torch.Tensor], scale_C: torch.Tensor, plan: _Plan, *, projected: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The divergence chain over filled buffers: in cache-sized blocks on the CPU without tensor
-        parallelism (as the routed kernel's eager chain), whole otherwise."""
+        parallelism (as the routed kernel's eager chain), whole otherwise. Where a projected teacher
+        made the targets, each token's columns its target reaches none of (−inf) leave both sides."""
+        valid = plan.valid
+        if projected:
+            valid = buffers["zt"] > float("-inf")
+            buffers["zs"].masked_fill_(~valid, float("-inf"))
         if plan.group is None and buffers["zs"].device.type == "cpu":
             rows = block_rows(buffers)
-            return soft_in_blocks(buffers, rows, plan.valid, self.kind, self.beta, scale_C)
-        return soft_value_and_grad(buffers, plan.valid, self.kind, self.beta, scale_C, plan.group)
+            return soft_in_blocks(buffers, rows, valid, self.kind, self.beta, scale_C)
+        return soft_value_and_grad(buffers, valid, self.kind, self.beta, scale_C, plan.group)
 
     def logits(self, t: int, rows: slice, out: torch.Tensor, plan: _Plan) -> torch.Tensor:
-        """Teacher t's logits (T = 1) of its hidden rows `rows` into `out` (padded columns −inf); the
-        caller tempers them (`_temper`), after taking any statistic of its own distribution."""
+        """Teacher t's logits (T = 1) of its hidden rows `rows` over this rank's slice of the student's
+        vocabulary into `out` (padded columns −inf): a projected teacher's are its log-probabilities
+        (columns it reaches none of −inf). The caller tempers them (`temper`), after taking any
+        statistic of the teacher's own distribution."""
+        if t in self.local:
+            return self._projected(t, rows, out, plan, 1.0)
         mm(operand(self.members[t].hidden[rows], plan.native), self.operands[t].T, out=out)
         self.transforms[t].apply_(out)
         if plan.valid is not None:
             out.masked_fill_(~plan.valid, float("-inf"))
         return out
+
+    def temper(self, t: int, rows: slice, logits: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        """`logits` (from `logits`) at the plan's temperature, in place: divided by it, or for a projected
+        teacher its tempered distribution projected afresh (a projection of a tempered distribution is
+        not a tempered projection)."""
+        if plan.temperature == 1.0:
+            return logits
+        if t in self.local:
+            return self._projected(t, rows, logits, plan, plan.temperature)
+        return logits.div_(plan.temperature)
+
+    def _projected(
+        self, t: int, rows: slice, out: torch.Tensor, plan: _Plan, temperature: float
+    ) -> torch.Tensor:
+        """Teacher t's log-probabilities at `temperature`, projected onto this rank's slice, into `out`:
+        its logits laid out [Vt, C] (as `projected.py`), their log-softmax over its whole vocabulary."""
+        hidden = operand(self.members[t].hidden[rows], plan.native)
+        head = self.operands[t]
+        shape = (head.shape[0], hidden.shape[0])
+        logits_VtC = mm(head, hidden.T, out=torch.empty(shape, dtype=torch.float32, device=out.device))
+        _temper(self.transforms[t].apply_(logits_VtC), temperature)
+        logp_VtC = logits_VtC.sub_(torch.logsumexp(logits_VtC, 0, keepdim=True))
+        return project_log_probs(logp_VtC, self.local[t], out)
 
 
 class _MixtureTargets(_Members):
@@ -151,7 +194,8 @@ class _MixtureTargets(_Members):
         size = span.stop - span.start
         buffers = {name: full[name][:size] for name in self.chain_names}
         mixture, started = buffers["zt"], False
-        for t, rows, local in self.scored(span):
+        scored = list(self.scored(span))
+        for t, rows, local in scored:
             # A teacher of every token of the chunk (ascending, each once: as many as the chunk) is
             # folded in place, the first such one written straight into the mixture: no [C, V] copy.
             whole = local.shape[0] == size
@@ -165,7 +209,7 @@ class _MixtureTargets(_Members):
                 at = local + span.start
                 self.token_log_total[at] = torch.logaddexp(self.token_log_total[at], log_weight.cpu())
             if lse is None or plan.temperature != 1.0:
-                lse = _log_sum_exp(_temper(logits, plan.temperature), plan.group, buffers["ps"])
+                lse = _log_sum_exp(self.temper(t, rows, logits, plan), plan.group, buffers["ps"])
             logits.add_((log_weight - lse)[:, None])
             if not started and not first:
                 mixture.fill_(float("-inf"))
@@ -179,7 +223,7 @@ class _MixtureTargets(_Members):
                 mixture[local] = torch.logaddexp(mixture[local], logits)
         # Confident weights need no normalising here: the chain's log-softmax of the mixture removes any
         # per-token constant (their sum, kept for the shares).
-        return self.chain(buffers, scale_C, plan)
+        return self.chain(buffers, scale_C, plan, projected=any(t in self.local for t, _, _ in scored))
 
 
 class _ChoiceTargets(_Members):
@@ -215,7 +259,8 @@ class _ChoiceTargets(_Members):
         best = torch.full((size,), float("-inf"), device=device)
         chosen = torch.full((size,), -1, dtype=torch.long, device=device)
         weight = torch.zeros(size, device=device)
-        for t, rows, local in self.scored(span):
+        scored = list(self.scored(span))
+        for t, rows, local in scored:
             local = local.to(device)
             # The first teacher of every token of the chunk is written straight into the target.
             first = local.shape[0] == size and bool((chosen < 0).all())
@@ -227,12 +272,12 @@ class _ChoiceTargets(_Members):
             at = local[wins]
             best[at], chosen[at] = score[wins], t
             weight[at] = self.members[t].weight[rows].to(device)[wins]
+            logits = self.temper(t, rows, logits, plan)
             if not first:  # the winners' rows through a free chunk buffer: no allocation
                 won = torch.index_select(logits, 0, wins.nonzero()[:, 0], out=buffers["ps"][: at.shape[0]])
                 target.index_copy_(0, at, won)
-        _temper(target, plan.temperature)
         scale_C = scale_C * weight
-        value, grad = self.chain(buffers, scale_C, plan)
+        value, grad = self.chain(buffers, scale_C, plan, projected=any(t in self.local for t, _, _ in scored))
         self.values[span], self.chosen[span] = value.detach().cpu(), chosen.cpu()
         return value * weight, grad
 
@@ -267,9 +312,9 @@ class _SumTargets(_Members):
             local = local.to(kept.device)
             chain = {name: full[name][: rows.stop - rows.start] for name in self.chain_names}
             torch.index_select(kept, 0, local, out=chain["zs"])
-            _temper(self.logits(t, rows, chain["zt"], plan), plan.temperature)
+            self.temper(t, rows, self.logits(t, rows, chain["zt"], plan), plan)
             weight = self.members[t].weight[rows].to(kept.device)
-            got, grad = self.chain(chain, scale_C[local] * weight, plan)
+            got, grad = self.chain(chain, scale_C[local] * weight, plan, projected=t in self.local)
             self.values[t][rows] = got.detach().cpu()
             value.index_add_(0, local, weight * got)
             total.index_add_(0, local, grad)
@@ -337,6 +382,35 @@ def _log_weights(members: Mapping[int, Member], total: torch.Tensor) -> dict[int
     }
 
 
+def _given(
+    members: Mapping[int, Member], teacher_heads: Mapping[int, torch.Tensor], vocab_size: int
+) -> tuple[dict[int, Member], dict[int, torch.Tensor]]:
+    """The members detached (positions on the CPU) and their heads (a projected teacher's without the
+    padding rows past its vocabulary).
+
+    Raises:
+        ValueError: a teacher without a head, or a projection that does not fit its head or the
+            student's vocabulary.
+    """
+    missing = sorted(set(members) - set(teacher_heads))
+    if missing:
+        raise ValueError(f"teacher {missing[0]} scores tokens but no head was given for it")
+    given, heads = {}, {}
+    for t, m in members.items():
+        given[t] = replace(m, positions=m.positions.cpu(), hidden=m.hidden.detach(), weight=m.weight.detach())
+        heads[t] = teacher_heads[t].detach()
+        if m.projection is None:
+            continue
+        if m.projection.student_vocab != vocab_size or heads[t].shape[0] < m.projection.teacher_vocab:
+            raise ValueError(
+                f"teacher {t}'s projection maps {m.projection.teacher_vocab} tokens onto "
+                f"{m.projection.student_vocab}; its head has {heads[t].shape[0]} rows and the student's "
+                f"vocabulary {vocab_size} tokens"
+            )
+        heads[t] = heads[t][: m.projection.teacher_vocab]
+    return given, heads
+
+
 def mixture_divergence(
     student_hidden: torch.Tensor,
     student_head: torch.Tensor,
@@ -378,15 +452,11 @@ def mixture_divergence(
         raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    missing = sorted(set(members) - set(teacher_heads))
-    if missing:
-        raise ValueError(f"teacher {missing[0]} scores tokens but no head was given for it")
     device = student_hidden.device
     num_tokens, local_vocab = student_hidden.shape[0], student_head.shape[0]
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     vocab_size = local_vocab * tp_size if vocab_size is None else vocab_size
-    given = {t: Member(m.positions.cpu(), m.hidden.detach(), m.weight.detach()) for t, m in members.items()}
-    heads = {t: teacher_heads[t].detach() for t in members}
+    given, heads = _given(members, teacher_heads, vocab_size)
     transforms = {t: (teacher_transforms or {}).get(t, LogitTransform()) for t in members}
     total = _weight_totals(given, num_tokens)
     objective: _MixtureTargets | _SumTargets | _ChoiceTargets
@@ -402,6 +472,10 @@ def mixture_divergence(
         objective = _MixtureTargets(kind, float(beta), given, log_weights, heads, transforms)
         if confident:
             objective.confide(num_tokens)
+    where = dict(vocab_start=vocab_start, local_vocab=local_vocab, device=device)
+    objective.project(
+        {t: LocalProjection.of(m.projection, **where) for t, m in given.items() if m.projection is not None}
+    )
     out = fused_loss(
         student_hidden,
         student_head,

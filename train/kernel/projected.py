@@ -235,7 +235,7 @@ def reference_projected_divergence(
 ) -> DivergenceOutput:
     """The unfused reference (tests only): the teacher's whole softmax, projected densely in log space,
     then `reference_divergence` over the student tokens the projection reaches."""
-    from mopd.train.kernel.reference import reference_divergence
+    from mopd.train.kernel.reference import projected_log_probs, reference_divergence
 
     dtype = torch.float64 if student_hidden.dtype == torch.float64 else torch.float32
     temperature = float(kwargs.pop("temperature", 1.0))
@@ -244,10 +244,7 @@ def reference_projected_divergence(
         transform.apply(teacher_hidden.to(dtype) @ teacher_head[: projection.teacher_vocab].to(dtype).T)
         / temperature
     )
-    dense = torch.zeros(projection.teacher_vocab, projection.student_vocab, dtype=dtype)
-    dense.index_put_((projection.source, projection.target), projection.weight.to(dtype), accumulate=True)
-    # [N, Vt, Vs]: fine for the tests' vocabularies, which is what a reference is for.
-    logp = torch.logsumexp(zt.log_softmax(-1)[:, :, None] + dense.log()[None], dim=1)
+    logp = projected_log_probs(zt.log_softmax(-1), projection)
     reached = projection.reached()
     # The projected log-probabilities as "teacher logits" of an identity head over the reached columns.
     columns = reached.nonzero()[:, 0]

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import torch
 
 from mopd.store.format.transform import LogitTransform
+from mopd.tokens.projection import Projection
 from mopd.train.kernel.divergence import DivergenceOutput
 
 
@@ -73,11 +74,20 @@ def reference_mixture(
 
 
 def _weighted(
-    logp_s: torch.Tensor, logp_t: torch.Tensor, kind: str, beta: float, weights: torch.Tensor | None
+    logp_s: torch.Tensor,
+    logp_t: torch.Tensor,
+    kind: str,
+    beta: float,
+    weights: torch.Tensor | None,
+    *,
+    reach: torch.Tensor | None = None,
 ) -> DivergenceOutput:
-    """Σ_n weights_n · D(p_s ‖ p_t) of the kind, from both sides' log-probabilities."""
+    """Σ_n weights_n · D(p_s ‖ p_t) of the kind, from both sides' log-probabilities; outside `reach`
+    (where given) both are 0 and add nothing."""
     num_tokens, dtype = logp_s.shape[0], logp_s.dtype
     p_s, p_t = logp_s.exp(), logp_t.exp()
+    if reach is not None:
+        logp_s, logp_t = logp_s.masked_fill(~reach, 0.0), logp_t.masked_fill(~reach, 0.0)
     if kind == "reverse_kl":
         value = (p_s * (logp_s - logp_t)).sum(-1)
     elif kind == "forward_kl":
@@ -87,7 +97,8 @@ def _weighted(
     elif kind == "entropy":
         value = -(p_s * logp_s).sum(-1)
     elif kind == "jsd":
-        logm = (beta * p_t + (1 - beta) * p_s).log()
+        m = beta * p_t + (1 - beta) * p_s
+        logm = (m if reach is None else m.masked_fill(~reach, 1.0)).log()  # outside: 0, no 1/0 gradient
         value = beta * (p_t * (logp_t - logm)).sum(-1) + (1 - beta) * (p_s * (logp_s - logm)).sum(-1)
     elif kind == "tvd":
         value = 0.5 * (p_s - p_t).abs().sum(-1)
@@ -113,19 +124,29 @@ def reference_ensemble(
     kind: str = "reverse_kl",
     beta: float = 0.5,
     temperature: float = 1.0,
+    projections: Mapping[int, Projection] | None = None,
 ) -> DivergenceOutput:
     """`train.ensembles.ensemble_loss` written out from its definitions (DESIGN §14), every teacher's
     [N_t, V] distribution materialised: `teacher_set` [N] each token's teachers as bits,
     `teacher_hidden[t]` teacher t's rows for its tokens in order, `labels` [N] each token's next token
     (negative: none), `norm` [N] each token's normaliser. The per-token values are those the objective
-    reports: the divergence to the target, for `sum` Σ_k w_k D_k."""
+    reports: the divergence to the target, for `sum` Σ_k w_k D_k. A teacher of another vocabulary
+    (`projections[t]`) has its distribution, at T and at 1, projected densely onto the student's; each
+    token's divergence runs over the student tokens its target reaches."""
     dtype = torch.float64 if student_hidden.dtype == torch.float64 else torch.float32
-    logp_s = ((student_hidden.to(dtype) @ student_head.to(dtype).T) / temperature).log_softmax(-1)
+    zs = (student_hidden.to(dtype) @ student_head.to(dtype).T) / temperature
     positions = {t: ((teacher_set >> t) & 1).nonzero()[:, 0] for t in sorted(teacher_hidden)}
     tempered, own = {}, {}  # each teacher's log-probabilities at its tokens: at T, and at T = 1
     for t in positions:
-        logits = teacher_hidden[t].to(dtype) @ teacher_heads[t].to(dtype).T
+        projection = (projections or {}).get(t)
+        head = teacher_heads[t] if projection is None else teacher_heads[t][: projection.teacher_vocab]
+        logits = teacher_hidden[t].to(dtype) @ head.to(dtype).T
         tempered[t], own[t] = (logits / temperature).log_softmax(-1), logits.log_softmax(-1)
+        if projection is not None:
+            tempered[t], own[t] = (
+                projected_log_probs(tempered[t], projection),
+                projected_log_probs(own[t], projection),
+            )
     total = torch.zeros(norm.shape[0], dtype=dtype)
     count = torch.zeros(norm.shape[0], dtype=dtype)
     for t, pos in positions.items():
@@ -135,18 +156,18 @@ def reference_ensemble(
         value = torch.zeros(norm.shape[0], dtype=dtype)
         loss = torch.zeros((), dtype=dtype)
         for t, pos in positions.items():
-            out = _weighted(logp_s[pos], tempered[t], kind, beta, norm[pos].to(dtype) * teacher_weight[t])
+            out = _restricted(zs[pos], tempered[t], kind, beta, norm[pos].to(dtype) * teacher_weight[t])
             loss = loss + out.loss
             value[pos] += teacher_weight[t] * out.per_token
         return DivergenceOutput(loss=loss, per_token=value.detach())
     if method == "min_ce":
         best = _most_likely(positions, own, labels)
         weight = torch.tensor([teacher_weight[int(t)] for t in best], dtype=dtype)
-        target = torch.empty_like(logp_s)
+        target = torch.empty_like(zs)
         for t, pos in positions.items():
             target[pos[best[pos] == t]] = tempered[t][best[pos] == t]
-        return _weighted(logp_s, target, kind, beta, norm.to(dtype) * weight)
-    mix = torch.full((len(positions), *logp_s.shape), float("-inf"), dtype=dtype)
+        return _restricted(zs, target, kind, beta, norm.to(dtype) * weight)
+    mix = torch.full((len(positions), *zs.shape), float("-inf"), dtype=dtype)
     weight_sum = torch.zeros(norm.shape[0], dtype=dtype)
     weights = {}
     for t, pos in positions.items():
@@ -156,7 +177,28 @@ def reference_ensemble(
     for k, (t, pos) in enumerate(positions.items()):
         mix[k, pos] = tempered[t] + weights[t].log()[:, None]
     logp_t = mix.logsumexp(0) - weight_sum.log()[:, None]
-    return _weighted(logp_s, logp_t, kind, beta, norm.to(dtype) * total / count)
+    return _restricted(zs, logp_t, kind, beta, norm.to(dtype) * total / count)
+
+
+def projected_log_probs(logp_NVt: torch.Tensor, projection: Projection) -> torch.Tensor:
+    """[N, Vs] log Σ_j p(j) P[j, k]: a teacher's log-probabilities over its vocabulary projected densely
+    onto the student's (−inf where no entry lands)."""
+    dense = torch.zeros(projection.teacher_vocab, projection.student_vocab, dtype=logp_NVt.dtype)
+    dense.index_put_(
+        (projection.source, projection.target), projection.weight.to(dense.dtype), accumulate=True
+    )
+    # [N, Vt, Vs]: fine for the tests' vocabularies, which is what a reference is for.
+    return torch.logsumexp(logp_NVt[:, :, None] + dense.log()[None], dim=1)
+
+
+def _restricted(
+    zs: torch.Tensor, logp_t: torch.Tensor, kind: str, beta: float, weights: torch.Tensor
+) -> DivergenceOutput:
+    """The divergence from the student's tempered logits `zs` to `logp_t`, each token's over the columns
+    its target reaches (the student renormalised over them; all of them for a teacher of its vocabulary)."""
+    reach = logp_t > float("-inf")
+    logp_s = zs.masked_fill(~reach, float("-inf")).log_softmax(-1)
+    return _weighted(logp_s, logp_t, kind, beta, weights, reach=reach)
 
 
 def _most_likely(
