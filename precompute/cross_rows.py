@@ -85,9 +85,10 @@ def refuse_given_ids(row: int, teacher: int) -> None:
     )
 
 
-def aligned_shares(table: pa.Table, teacher_index: np.ndarray) -> dict[int, tuple[float, float]]:
+def aligned_shares(table: pa.Table, other_tokenizer: np.ndarray) -> dict[int, tuple[float, float]]:
     """teacher → (share of its trained positions with an aligned teacher position, share with one or
-    a span), for each teacher of another tokenizer, over the ingested rows `table`."""
+    a span), for each teacher of another tokenizer, over the ingested rows `table` (`other_tokenizer`:
+    each row's such teacher, `TokenizedRows.other_tokenizer`)."""
     if "aligned" not in table.column_names:  # a store of one tokenizer
         return {}
     aligned_lengths = pc.list_value_length(table.column("aligned")).to_numpy(zero_copy_only=False)
@@ -99,7 +100,7 @@ def aligned_shares(table: pa.Table, teacher_index: np.ndarray) -> dict[int, tupl
     def flat(name: str) -> np.ndarray:
         return pc.list_flatten(rows.column(name)).to_numpy(zero_copy_only=False)
 
-    teacher = np.repeat(teacher_index[own], aligned_lengths[own])
+    teacher = np.repeat(other_tokenizer[own], aligned_lengths[own])
     trained = flat("loss_mask").astype(bool)
     aligned, spanned = flat("aligned") >= 0, flat("student_span") >= 0
     out = {}

@@ -200,21 +200,15 @@ def _tokenize_batch(
     own = own_teachers(batch, routing, indices)
     sets = route(agents, routing, agent_to_alias, alias_index, row_ids=indices, own=own)
     teachers = [row[0] for row in sets]
-    if cross is not None and any(len(row) > 1 and cross.teachers.keys() & set(row) for row in sets):
-        row = next(
-            i for i, r in zip(indices, sets, strict=True) if len(r) > 1 and cross.teachers.keys() & set(r)
-        )
-        raise ConfigError(
-            f"row {row}: a row of several teachers with a teacher of another tokenizer among them is not "
-            "supported yet; route such a teacher's rows to it alone"
-        )
+    # Each row's teacher of another tokenizer, if any: at most one, whose tokenisation the row carries.
+    others = [_other_tokenizer(r, cross, row=i) for i, r in zip(indices, sets, strict=True)]
     for k, (i, (ids, mask)) in enumerate(
         zip(indices, tokenize_records(batch, input_format, tokenizer, indices), strict=True)
     ):
         if ids.shape[0] == 0:
             raise ConfigError(f"row {i} tokenizes to no tokens")
         limit = min([data.max_length, *(contexts.get(t, data.max_length) for t in sets[k])])
-        teacher = _teacher_row(batch, k, i, int(teachers[k]), input_format, cross)
+        teacher = _teacher_row(batch, k, i, others[k], input_format, cross)
         truncated = ids.shape[0] > limit
         if data.overlong == "drop" and (truncated or (teacher is not None and teacher[0].shape[0] > limit)):
             continue
@@ -223,8 +217,8 @@ def _tokenize_batch(
             mask[-1] = 0  # its next token was cut off
         if cross is not None:
             columns = empty_columns()
-            if teacher is not None:
-                table = cross.teachers[int(teachers[k])][1]
+            if teacher is not None and others[k] is not None:
+                table = cross.teachers[others[k]][1]
                 columns = cross_columns((ids, mask), teacher, table=table, cross=cross, limit=limit)
             for name, values in columns.items():
                 out[name].append(values)
@@ -250,16 +244,32 @@ def own_teachers(
     return [own_aliases(value, row=indices[k], field=field) for k, value in enumerate(batch[field])]
 
 
+def _other_tokenizer(teachers: tuple[int, ...], cross: CrossTokenizers | None, *, row: int) -> int | None:
+    """The row's teacher of another tokenizer than the store's (None: it has none).
+
+    Raises:
+        ConfigError: the row has two such teachers.
+    """
+    others = [t for t in teachers if cross is not None and t in cross.teachers]
+    if len(others) > 1:
+        raise ConfigError(
+            f"row {row} has {len(others)} teachers of tokenizers other than the store's (teachers "
+            f"{', '.join(map(str, others))}); a row may have one such teacher, beside any number of the "
+            "store's tokenizer: give the others other rows"
+        )
+    return others[0] if others else None
+
+
 def _teacher_row(
     batch: Mapping[str, list[Any]],
     k: int,
     row: int,
-    teacher: int,
+    teacher: int | None,
     input_format: str,
     cross: CrossTokenizers | None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """Record k tokenised by its teacher's own tokenizer, where that is not the store's; else None."""
-    if cross is None or teacher not in cross.teachers:
+    """Record k tokenised by its teacher of another tokenizer (`teacher`, None: it has none)."""
+    if cross is None or teacher is None:
         return None
     if input_format == "input_ids":  # rollout's rows carry their text beside the sampled ids
         given = [name for name in batch if name not in ("input_ids", "loss_mask")]

@@ -267,7 +267,8 @@ def ingest_rows(
         log=log,
     )
     names = {s.index: "+".join(s.aliases) for s in teachers.slots}
-    for teacher, (aligned, either) in aligned_shares(rows.table, rows.teacher_index).items():
+    others = rows.other_tokenizer(teachers.cross)
+    for teacher, (aligned, either) in aligned_shares(rows.table, others).items():
         log(shares_line(names[teacher], aligned, either))
     if rows.num_trained == 0:
         raise ConfigError(

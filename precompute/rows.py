@@ -4,7 +4,7 @@ fingerprint (the store's dataset identity)."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -109,6 +109,13 @@ class TokenizedRows:
     def rows_of(self, teacher: int) -> np.ndarray:
         """The ids of the rows `teacher` scores, ascending."""
         return np.flatnonzero(scored_by(self.teacher_index, self.teacher_set, teacher))
+
+    def other_tokenizer(self, others: Collection[int]) -> np.ndarray:
+        """[R] each row's teacher of another tokenizer (`others`; a row has at most one), −1 for none."""
+        out = np.full(self.num_rows, -1, dtype=np.int64)
+        for t in sorted(others, reverse=True):
+            out[self.rows_of(t)] = t
+        return out
 
     def token_rows(self, own: bool) -> tuple[RaggedColumn, np.ndarray]:
         """The token rows a teacher reads and their lengths: the store's, or (`own`: a teacher of another

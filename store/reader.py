@@ -322,7 +322,7 @@ class TeacherStore:
         """Row i's alignment with its teacher of another tokenizer (`layout.shard_arrays`).
 
         Raises:
-            ValueError: the row's teacher shares the store's tokenizer.
+            ValueError: the row's teachers share the store's tokenizer.
         """
         shard, student = self._aligned_row(i)
         _, token_starts, token_stops = self._row_locations[shard.teacher]
@@ -341,11 +341,15 @@ class TeacherStore:
         shard, student = self._aligned_row(i)
         return self._array(shard.path, ALIGNED).read(student.start, student.stop).astype(np.int64)
 
+    def other_tokenizer(self, i: int) -> int | None:
+        """Row i's teacher of another tokenizer than the store's (a row has at most one), or None."""
+        return next((t for t in self.teachers_of(i) if self.teacher(t).tokenizer is not None), None)
+
     def _aligned_row(self, i: int) -> tuple[ShardArtifact, slice]:
-        """The shard holding row i's alignment, and the row's positions in its alignment arrays."""
-        teacher = self.teacher(int(self.teacher_indices[self._checked([i])[0]]))
-        if teacher.tokenizer is None:
-            raise ValueError(f"row {i}'s teacher {teacher.index} shares the store's tokenizer: no alignment")
+        """The shard holding row i's alignment (with its teacher of another tokenizer), and the row's
+        positions in its alignment arrays."""
+        if self.other_tokenizer(int(self._checked([i])[0])) is None:
+            raise ValueError(f"row {i}'s teachers share the store's tokenizer: no alignment")
         shard_of, starts = self._aligned_locations
         start = int(starts[i])
         return self.manifest.shards[int(shard_of[i])], slice(start, start + int(self.lengths[i]))

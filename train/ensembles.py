@@ -19,7 +19,7 @@ normalised weight for `confidence`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -40,20 +40,34 @@ class EnsembleLoss(NamedTuple):
     shares: tuple[torch.Tensor, torch.Tensor] | None  # teacher [M'] and its share at a token it scores [M']
 
 
-def scored_positions(teacher_set_N: torch.Tensor, teachers: list[int]) -> dict[int, torch.Tensor]:
-    """The tokens (ascending) each teacher scores."""
-    return {t: ((teacher_set_N >> t) & 1).nonzero()[:, 0] for t in teachers}
+def scored_positions(
+    teacher_set_N: torch.Tensor,
+    teachers: list[int],
+    aligned_N: torch.Tensor | None = None,
+    others: Collection[int] = (),
+) -> dict[int, torch.Tensor]:
+    """The tokens (ascending) each teacher scores: those of its rows, and for a teacher of another
+    tokenizer (`others`) those of them where it has an aligned position (`aligned_N`)."""
+    out = {}
+    for t in teachers:
+        mine = ((teacher_set_N >> t) & 1).bool()
+        if t in others and aligned_N is not None:
+            mine &= aligned_N
+        out[t] = mine.nonzero()[:, 0]
+    return out
 
 
 @dataclass(frozen=True)
 class _Tokens:
-    """One call's inputs: the student's side, the microbatch, each token's normaliser, each teacher's
-    weight, head and transform, the kernel's options, and the tokens each teacher scores."""
+    """One call's inputs: the student's side, the tokens' labels and sets, each token's normaliser, each
+    teacher's states, weight, head and transform, the kernel's options, and the tokens each scores."""
 
     hidden: torch.Tensor
     head: torch.Tensor
-    mb: MicroBatch
+    labels: torch.Tensor
+    sets: torch.Tensor
     norm: torch.Tensor
+    teacher_hidden: Mapping[int, torch.Tensor]
     weight: torch.Tensor
     heads: Mapping[int, torch.Tensor]
     transforms: Mapping[int, LogitTransform]
@@ -67,17 +81,12 @@ class _Tokens:
         return {
             t: Member(
                 pos,
-                self.mb.teacher_hidden[t],
+                self.teacher_hidden[t],
                 weight_of[t] if weight_of is not None else self.weight[t].expand(pos.shape[0]),
                 self.projections.get(t),
             )
             for t, pos in self.positions.items()
         }
-
-    @property
-    def sets(self) -> torch.Tensor:
-        assert self.mb.teacher_set is not None
-        return self.mb.teacher_set.to(self.hidden.device)
 
     def kernel_options(self) -> dict[str, Any]:
         """The options the ensemble kernel takes (it has no compiled chain)."""
@@ -98,29 +107,41 @@ def ensemble_loss(
 ) -> EnsembleLoss:
     """The loss of the microbatch's tokens under `method` (module docstring); `norm_N` each token's
     normaliser, `weight_of[t]` teacher t's weight, `heads` this rank's slice of each teacher's head
-    (a teacher of another vocabulary: its whole head, and its projection in `projections`)."""
+    (a teacher of another vocabulary: its whole head, and its projection in `projections`). A token no
+    teacher scores (its row's teacher of another tokenizer alone, with no aligned position there) has
+    no divergence: its value is 0 and it is not reported."""
     assert mb.teacher_set is not None
-    device = hidden_NH.device
-    positions = {
-        t: p.to(device) for t, p in scored_positions(mb.teacher_set, sorted(mb.teacher_hidden)).items()
-    }
+    device, projections = hidden_NH.device, projections or {}
+    aligned = None if mb.aligned is None else mb.aligned.to(mb.teacher_set.device)
+    positions = scored_positions(mb.teacher_set, sorted(mb.teacher_hidden), aligned, projections.keys())
+    covered = torch.zeros(mb.teacher_set.shape[0], dtype=torch.bool)
+    for pos in positions.values():
+        covered[pos.cpu()] = True
+    keep = covered.nonzero()[:, 0].to(device)
+    at = (torch.cumsum(covered, 0) - 1).to(device)  # each covered token's place among them
+    pick = (lambda x: x) if bool(covered.all()) else (lambda x: x[keep])  # no copy where all are
     tokens = _Tokens(
-        hidden_NH,
+        pick(hidden_NH),
         head,
-        mb,
-        norm_N,
+        pick(mb.labels.to(device)),
+        pick(mb.teacher_set.to(device)),
+        pick(norm_N),
+        mb.teacher_hidden,
         weight_of.to(device),
         heads,
         transforms,
         options,
-        positions,
-        projections or {},
+        {t: at[pos.to(device)] for t, pos in positions.items()},
+        projections,
     )
     if method == "sum":
-        return _sum(tokens)
-    if method == "min_ce":
-        return _min_ce(tokens)
-    return _mixture(tokens, confident=method == "confidence")
+        out = _sum(tokens)
+    elif method == "min_ce":
+        out = _min_ce(tokens)
+    else:
+        out = _mixture(tokens, confident=method == "confidence")
+    per_token = torch.zeros(hidden_NH.shape[0], device=device, dtype=out.per_token.dtype)
+    return out._replace(per_token=per_token.index_copy_(0, keep, out.per_token))
 
 
 def _mixture(x: _Tokens, *, confident: bool) -> EnsembleLoss:
@@ -173,7 +194,7 @@ def _min_ce(x: _Tokens) -> EnsembleLoss:
         weights=x.norm,
         teacher_transforms=x.transforms,
         combine="min_ce",
-        labels=x.mb.labels,
+        labels=x.labels,
         **x.kernel_options(),
     )
     assert out.by_teacher is not None

@@ -114,8 +114,8 @@ class Objective:
         )
         ensemble = None
         if mb.teacher_set is not None:
-            ensemble = self._ensemble(hidden_NH, head, mb, norm_N, options)
-            loss, per_token, span = ensemble.loss, ensemble.per_token, None
+            ensemble, span = self._ensemble(hidden_NH, head, mb, norm_N, options)
+            loss, per_token = ensemble.loss, ensemble.per_token
         elif self.heads.all_on_device and not self.heads.projections:
             out = linear_divergence(
                 hidden_NH,
@@ -156,17 +156,14 @@ class Objective:
         mb: MicroBatch,
         norm_N: torch.Tensor,
         options: dict[str, Any],
-    ) -> EnsembleLoss:
+    ) -> tuple[EnsembleLoss, torch.Tensor | None]:
         """Tokens of several teachers (`ensembles`), every head of the microbatch's teachers on the
-        device together."""
+        device together; with the span term of its teachers of other tokenizers (None: no trained
+        span), each span weighing as its tokens' weights under routing would."""
         teachers = sorted(mb.teacher_hidden)
-        if self.heads.projections.keys() & set(teachers):
-            raise ConfigError(
-                "a store whose rows have several teachers with a teacher of another tokenizer is not "
-                "supported yet; give that teacher a store of its own"
-            )
+        spans = self._trained_spans(mb)
         with self.heads.use_set(teachers) as heads:
-            return ensemble_loss(
+            out = ensemble_loss(
                 self.ensemble,
                 hidden_NH,
                 head,
@@ -176,7 +173,34 @@ class Objective:
                 heads,
                 self.heads.transforms,
                 options,
+                self.heads.projections,
             )
+            if spans is None:
+                return out, None
+            parts = [self._span_likelihood(spans, t, heads[t]) for t in spans.teacher]
+        # A span's tokens weigh as its teacher's (the row's teacher of another tokenizer) under routing.
+        assert mb.teacher_set is not None
+        weights_N = norm_N
+        for t in spans.teacher:
+            mine = ((mb.teacher_set >> t) & 1).bool().to(norm_N.device)
+            weights_N = torch.where(mine, norm_N * self.weight_of[t], weights_N)
+        likelihood = torch.stack(parts).sum(0)
+        return out, self._span_term(hidden_NH, head, mb, spans, likelihood, weights_N)
+
+    def _trained_spans(self, mb: MicroBatch) -> Spans | None:
+        """The microbatch's trained spans, where the span term is on and it has any."""
+        return mb.spans if self.span_weight > 0 and mb.spans is not None and mb.spans.count else None
+
+    def _span_likelihood(self, spans: Spans, t: int, teacher_head: torch.Tensor) -> torch.Tensor:
+        """[S] teacher t's log-likelihood of each trained span it reads (0 for the others')."""
+        likelihood = torch.zeros(spans.count, dtype=torch.float64, device=teacher_head.device)
+        if t in spans.teacher:
+            side = spans.teacher[t]
+            log_probs = teacher_log_probs(
+                side.hidden, teacher_head, side.targets, transform=self.heads.transforms[t]
+            )
+            likelihood += span_sums(log_probs, side.span, spans.count)
+        return likelihood
 
     def _by_teacher(
         self,
@@ -196,17 +220,13 @@ class Objective:
         supervised = (
             mb.aligned if mb.aligned is not None else torch.ones_like(mb.teacher_index, dtype=torch.bool)
         )
-        spans = mb.spans if self.span_weight > 0 and mb.spans is not None and mb.spans.count else None
+        spans = self._trained_spans(mb)
         likelihood = torch.zeros(spans.count if spans else 0, dtype=torch.float64, device=hidden_NH.device)
         for t in sorted(mb.teacher_hidden):
             sel = ((mb.teacher_index == t) & supervised).nonzero()[:, 0].to(hidden_NH.device)
             with self.heads.use(t) as teacher_head:
-                if spans is not None and t in spans.teacher:
-                    side = spans.teacher[t]
-                    log_probs = teacher_log_probs(
-                        side.hidden, teacher_head, side.targets, transform=self.heads.transforms[t]
-                    )
-                    likelihood += span_sums(log_probs, side.span, spans.count)
+                if spans is not None:
+                    likelihood += self._span_likelihood(spans, t, teacher_head)
                 if t in self.heads.projections:
                     out = projected_divergence(
                         hidden_NH[sel],
@@ -275,9 +295,11 @@ class StepStats:
         size = len(self.labels)
         self.sums = torch.zeros(size, dtype=torch.float64)
         self.counts = torch.zeros(size, dtype=torch.float64)
-        # Teachers of other tokenizers (`cross`): their trained tokens with no aligned teacher position.
+        # Teachers of other tokenizers (`cross`): their trained tokens with and without an aligned
+        # teacher position (`add_alignment`).
         self.cross = sorted(cross)
-        self.unaligned = torch.zeros(size, dtype=torch.float64)
+        self.aligned = torch.zeros(num_teachers, dtype=torch.float64)
+        self.unaligned = torch.zeros(num_teachers, dtype=torch.float64)
         self.extremes = torch.tensor([math.inf, math.inf], dtype=torch.float64)  # min, −max: both minimised
         self.nonfinite = torch.zeros(size, dtype=torch.float64)
         # Ensembles that choose (`Terms.shares`): each teacher's summed share and tokens it scores.
@@ -294,6 +316,18 @@ class StepStats:
             [m.bit_length() - 1 if m & (m - 1) == 0 else self.set_index[m] for m in masks], dtype=torch.long
         )
 
+    def add_alignment(self, mb: MicroBatch) -> None:
+        """Counts each teacher of another tokenizer's trained tokens of the microbatch with and without
+        an aligned position of its own (`MicroBatch.aligned`)."""
+        if mb.aligned is None:
+            return
+        aligned = mb.aligned.cpu()
+        for t in self.cross:
+            sets = mb.teacher_set
+            mine = mb.teacher_index == t if sets is None else ((sets.cpu() >> t) & 1).bool()
+            self.aligned[t] += float((mine & aligned).sum())
+            self.unaligned[t] += float((mine & ~aligned).sum())
+
     def add_shares(self, teacher: torch.Tensor, share: torch.Tensor) -> None:
         self.selected.index_add_(0, teacher.cpu(), share.detach().double().cpu())
         self.scored.index_add_(0, teacher.cpu(), torch.ones(teacher.shape[0], dtype=torch.float64))
@@ -304,14 +338,10 @@ class StepStats:
         teacher: torch.Tensor,
         loss: torch.Tensor,
         ce: torch.Tensor | None,
-        unaligned: torch.Tensor | None = None,
         *,
         span: torch.Tensor | None = None,
     ) -> None:
-        """`per_token` and `teacher`: the tokens with a divergence; `unaligned`: the teacher of each
-        trained token without one (a teacher of another tokenizer with no aligned position there)."""
-        if unaligned is not None:
-            self.unaligned.index_add_(0, unaligned, torch.ones(unaligned.shape[0], dtype=torch.float64))
+        """`per_token` and `teacher`: the tokens with a divergence, and the stats index of each."""
         values = per_token.detach().double().cpu()
         finite = torch.isfinite(values)
         self.nonfinite.index_add_(0, teacher[~finite], torch.ones(int((~finite).sum()), dtype=torch.float64))
@@ -332,11 +362,11 @@ class StepStats:
         ce = zero if self.ce is None else self.ce
         # The span term and whether this rank had one: a rank without trained spans adds zeros.
         span = torch.stack([zero, zero] if self.span is None else [self.span, zero + 1])
-        parts = [self.sums, self.counts, self.nonfinite, self.unaligned, self.selected, self.scored]
+        names = ("sums", "counts", "nonfinite", "aligned", "unaligned", "selected", "scored")
+        parts = [getattr(self, name) for name in names]
         packed = dp.all_reduce(torch.cat([*parts, self.loss[None], ce[None], span]))
-        self.sums, self.counts, self.nonfinite, self.unaligned, self.selected, self.scored = packed[
-            :-4
-        ].split([part.shape[0] for part in parts])
+        for name, part in zip(names, packed[:-4].split([part.shape[0] for part in parts]), strict=True):
+            setattr(self, name, part)
         self.loss = packed[-4]
         if self.ce is not None:
             self.ce = packed[-3]
@@ -355,8 +385,8 @@ class StepStats:
             divergence_max=float(-self.extremes[1]) if total else 0.0,
             trained_tokens=int(total),
         )
-        trained = self.counts + self.unaligned
-        shares = {str(t): float(self.counts[t] / trained[t]) for t in self.cross if trained[t] > 0}
+        trained = self.aligned + self.unaligned
+        shares = {str(t): float(self.aligned[t] / trained[t]) for t in self.cross if trained[t] > 0}
         if shares:  # the share of each such teacher's trained tokens that an aligned position supervised
             stats["aligned_share_by_teacher"] = shares
         chosen = {

@@ -115,11 +115,11 @@ class Session:
                 loss = terms.loss if train else torch.zeros(())
                 # Tokens of a teacher of another tokenizer with no aligned teacher position carry no
                 # divergence: they are left out of its mean.
-                per_token, teacher_index, unaligned = terms.per_token, mb.teacher_index, None
+                per_token, teacher_index = terms.per_token, mb.teacher_index
+                stats.add_alignment(mb)
                 if mb.aligned is not None:
                     per_token = per_token[mb.aligned.to(per_token.device)]
                     teacher_index = teacher_index[mb.aligned.cpu()]
-                    unaligned = mb.teacher_index[~mb.aligned.cpu()]
                 if terms.reported is not None:  # tokens of several teachers: keyed by their targets
                     per_token, teacher_index = terms.reported[0], stats.keys(terms.reported[1])
                 if terms.shares is not None:
@@ -129,7 +129,6 @@ class Session:
                     teacher_index,
                     loss,
                     terms.ce if train else None,
-                    unaligned,
                     span=terms.span if train else None,
                 )
             return terms.loss, None

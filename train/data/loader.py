@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Generator, Iterator
+from collections.abc import Collection, Generator, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,8 +83,8 @@ class MicroBatch:
     token_row: torch.Tensor  # [N] batch position of each trained token's row
     labels: torch.Tensor  # [N] the token each trained position predicts (IGNORE where none)
     teacher_hidden: dict[int, torch.Tensor]  # teacher -> [N_t, H_t], the trained tokens it scores, in order
-    # [N] bool: the token has a teacher state (every token of a teacher of the store's tokenizer; an
-    # aligned one of a teacher of another). None: every token has one.
+    # [N] bool: the token's teacher of another tokenizer, where its row has one (at most one), has a state
+    # there (an aligned position); True where the row has none. None: every token has every state.
     aligned: torch.Tensor | None = None
     spans: Spans | None = None  # read with `spans=True` where the microbatch has rows of such teachers
     # [N] int64: the teachers that score each trained token (`store.format.layout.set_mask` bits), in a
@@ -144,10 +144,10 @@ def read_microbatches(
     stored = store.rows(every)
     trained = np.array([with_teacher_states and bool(row.loss_mask.any()) for row in stored], dtype=bool)
     hidden_of = _teacher_states(store, every, stored, trained)
-    # A row of a teacher of another tokenizer: which of its states each position reads (−1: none).
-    own = {t.index for t in store.teachers if t.tokenizer is not None}
+    # A row with a teacher of another tokenizer: which of its states each position reads (−1: none).
+    others = {t.index for t in store.teachers if t.tokenizer is not None}
     read = store.alignment if spans else store.aligned
-    aligned_of = {k: read(int(every[k])) for k in hidden_of if stored[k].teacher_index in own}
+    aligned_of = {k: read(int(every[k])) for k in hidden_of if others & set(stored[k].teachers)}
     out, at = [], 0
     for rows in microbatch_rows:
         positions = range(at, at + len(rows))
@@ -158,6 +158,7 @@ def read_microbatches(
                 [hidden_of.get(k) for k in positions],
                 [aligned_of.get(k) for k in positions],
                 sets=store.teacher_sets is not None,
+                others=others,
             )
         )
         at += len(rows)
@@ -190,11 +191,12 @@ def _collate(
     alignments: list[StoredAlignment | np.ndarray | None] | None = None,
     *,
     sets: bool = False,
+    others: Collection[int] = (),
 ) -> MicroBatch:
     """Pads the rows to the longest and keeps each row's teacher states (by teacher) at its trained
-    positions (a row of a teacher of another tokenizer: the states of the teacher positions aligned with
-    them, and where its whole alignment is given, its trained spans); with `sets`, each token's set of
-    teachers."""
+    positions (a teacher of another tokenizer, `others`, a row has at most one: the states of its
+    positions aligned with them, and where its whole alignment is given, its trained spans); with `sets`,
+    each token's set of teachers."""
     alignments = alignments or [None] * len(stored)
     longest = max(row.input_ids.shape[0] for row in stored)
     input_ids = torch.zeros(len(stored), longest, dtype=torch.long)
@@ -221,11 +223,12 @@ def _collate(
         whole = alignment if isinstance(alignment, StoredAlignment) else None
         at = torch.as_tensor(alignment if whole is None else whole.aligned)[row.loss_mask]
         has_state.append(at >= 0)
-        own = None if state is None else state[row.teacher_index]  # a row of one teacher
-        if own is not None:
-            hidden.setdefault(row.teacher_index, []).append(own[at[at >= 0]])
-        if whole is not None and own is not None:
-            spans.add(row.teacher_index, own, whole, row.loss_mask)
+        other = next(t for t in row.teachers if t in others)
+        for t, teacher_state in (state or {}).items():
+            kept = teacher_state[at[at >= 0]] if t == other else teacher_state[row.loss_mask]
+            hidden.setdefault(t, []).append(kept)
+        if whole is not None and state is not None:
+            spans.add(other, state[other], whole, row.loss_mask)
         else:
             spans.skip(trained)
     row_teacher_index = torch.tensor([row.teacher_index for row in stored], dtype=torch.long)

@@ -136,17 +136,8 @@ def reference_ensemble(
     dtype = torch.float64 if student_hidden.dtype == torch.float64 else torch.float32
     zs = (student_hidden.to(dtype) @ student_head.to(dtype).T) / temperature
     positions = {t: ((teacher_set >> t) & 1).nonzero()[:, 0] for t in sorted(teacher_hidden)}
-    tempered, own = {}, {}  # each teacher's log-probabilities at its tokens: at T, and at T = 1
-    for t in positions:
-        projection = (projections or {}).get(t)
-        head = teacher_heads[t] if projection is None else teacher_heads[t][: projection.teacher_vocab]
-        logits = teacher_hidden[t].to(dtype) @ head.to(dtype).T
-        tempered[t], own[t] = (logits / temperature).log_softmax(-1), logits.log_softmax(-1)
-        if projection is not None:
-            tempered[t], own[t] = (
-                projected_log_probs(tempered[t], projection),
-                projected_log_probs(own[t], projection),
-            )
+    # Each teacher's log-probabilities at its tokens: at T, and at T = 1.
+    tempered, own = _log_probs(teacher_hidden, teacher_heads, projections or {}, dtype, temperature)
     total = torch.zeros(norm.shape[0], dtype=dtype)
     count = torch.zeros(norm.shape[0], dtype=dtype)
     for t, pos in positions.items():
@@ -178,6 +169,27 @@ def reference_ensemble(
         mix[k, pos] = tempered[t] + weights[t].log()[:, None]
     logp_t = mix.logsumexp(0) - weight_sum.log()[:, None]
     return _restricted(zs, logp_t, kind, beta, norm.to(dtype) * total / count)
+
+
+def _log_probs(
+    teacher_hidden: Mapping[int, torch.Tensor],
+    teacher_heads: Mapping[int, torch.Tensor],
+    projections: Mapping[int, Projection],
+    dtype: torch.dtype,
+    temperature: float,
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Each teacher's log-probabilities over the student's vocabulary at its tokens, at T and at T = 1
+    (a teacher of another vocabulary's projected from its own distribution at each)."""
+    tempered, own = {}, {}
+    for t in sorted(teacher_hidden):
+        projection = projections.get(t)
+        head = teacher_heads[t] if projection is None else teacher_heads[t][: projection.teacher_vocab]
+        logits = teacher_hidden[t].to(dtype) @ head.to(dtype).T
+        tempered[t], own[t] = (logits / temperature).log_softmax(-1), logits.log_softmax(-1)
+        if projection is not None:
+            tempered[t] = projected_log_probs(tempered[t], projection)
+            own[t] = projected_log_probs(own[t], projection)
+    return tempered, own
 
 
 def projected_log_probs(logp_NVt: torch.Tensor, projection: Projection) -> torch.Tensor:
