@@ -58,6 +58,21 @@ def trained(path: Path, log: Any = lambda _: None) -> list[dict[str, Any]]:
     return [r for r in read_metrics(out) if r.get("split", "train") == "train"]
 
 
+# Rows of `math` (the store's tokenizer), of `chat` (another) and of both, by each row's own list.
+LISTS = [["math"], ["chat"], ["math", "chat"]]
+ROWS = [{**r, "agent": "chat", "teachers": LISTS[i % 3]} for i, r in enumerate(mixed_records(12))]
+SETS_ROUTING = {"teacher_by_agent": {"chat": "math"}, "teachers_field": "teachers"}
+
+
+def sets_config(
+    folder: Path, teachers: dict[str, Path], tokenizer: Path, rows: list[dict[str, Any]], **train: Any
+) -> Path:
+    """`config` over `rows` routed by their own lists (`SETS_ROUTING`)."""
+    path = config(folder, teachers, tokenizer, SETS_ROUTING, **train)
+    write_jsonl(Path(yaml.safe_load(path.read_text())["data"]["path"]), rows)
+    return path
+
+
 @pytest.fixture(scope="module")
 def alone(tmp_path_factory: pytest.TempPathFactory, tiny_teachers: dict[str, Path]) -> dict[str, Any]:
     """The run of every row routed to the llama teacher alone, and the permuted copy of it."""
@@ -111,15 +126,11 @@ def test_rows_of_one_or_two_teachers_with_one_of_another_tokenizer(
     # In a folder whose path sorts after the others': chat is not its rows' lowest teacher index.
     other = other_vocabulary_teacher(tmp_path_factory.mktemp("zz-other"))
     teachers = {"math": tiny_teachers["llama"], "chat": other, "copy": alone["permuted"]}
-    routing = {"teacher_by_agent": {"chat": "math"}, "teachers_field": "teachers"}
-    lists = [["math"], ["chat"], ["math", "chat"]]
-    rows = [{**r, "agent": "chat", "teachers": lists[i % 3]} for i, r in enumerate(mixed_records(12))]
-    paths = {}
-    for name in ("whole", "parts"):
-        paths[name] = config(
-            root / name, teachers, tiny_teachers["llama"], routing, student=alone["student"], steps=4
-        )
-        write_jsonl(Path(yaml.safe_load(paths[name].read_text())["data"]["path"]), rows)
+    train = {"student": alone["student"], "steps": 4}
+    paths = {
+        name: sets_config(root / name, teachers, tiny_teachers["llama"], ROWS, **train)
+        for name in ("whole", "parts")
+    }
     lines: list[str] = []
     whole = trained(paths["whole"], log=lines.append)
     # Precompute's shares name chat alone, over all its rows (mixed rows count for it, not for math).
@@ -130,7 +141,7 @@ def test_rows_of_one_or_two_teachers_with_one_of_another_tokenizer(
     index = {alias: t.index for t in store.teachers for alias in t.aliases}
     assert index["chat"] > index["math"]
     assert [store.other_tokenizer(i) for i in range(store.num_rows)] == [
-        index["chat"] if "chat" in lists[i % 3] else None for i in range(12)
+        index["chat"] if "chat" in LISTS[i % 3] else None for i in range(12)
     ]
     mixed = ",".join(str(t) for t in sorted([index["math"], index["chat"]]))
     assert {str(index["math"]), str(index["chat"]), mixed} <= set().union(
@@ -145,9 +156,55 @@ def test_rows_of_one_or_two_teachers_with_one_of_another_tokenizer(
     assert run_training(cfg, log=lambda _: None).first_step == 3
     parts = read_metrics(Path(cfg.train.output_dir) / METRICS_FILE)
     assert [r["loss"] for r in parts] == [r["loss"] for r in whole]
-    refused = config(root / "refused", teachers, tiny_teachers["llama"], routing, student=alone["student"])
-    write_jsonl(
-        Path(yaml.safe_load(refused.read_text())["data"]["path"]), [{**rows[0], "teachers": ["chat", "copy"]}]
-    )
+    two_others = [{**ROWS[0], "teachers": ["chat", "copy"]}]
+    refused = sets_config(root / "refused", teachers, tiny_teachers["llama"], two_others, **train)
     with pytest.raises(ConfigError, match=r"^row 0 has 2 teachers of tokenizers other than the store's"):
         run_precompute(load_config(refused), show_progress=False, log=lambda _: None)
+
+
+@pytest.mark.distributed
+def test_two_data_parallel_ranks_with_unequal_ensemble_work_match_one(
+    alone: dict[str, Any], tiny_teachers: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`torchrun --nproc-per-node 2` on a store of rows of `math`, of `chat` (another tokenizer) and of
+    both, microbatches of 128 tokens: the ranks' steps differ in microbatches, in rows of several teachers
+    and in rows of the other tokenizer, yet every rank runs the same collectives, and the run equals one
+    process's: the same trained tokens, divergence keys and aligned shares (counts, exactly), losses and
+    gradient norms within `assert_same_training` (the student: a 2-block llama, 48 wide)."""
+    from mopd.train.data.order import epoch_steps, rank_microbatches
+    from tests.distributed.harness import run_torchrun
+    from tests.tolerance import assert_same_training
+
+    root = tmp_path_factory.mktemp("cross-sets-dp")
+    other = other_vocabulary_teacher(tmp_path_factory.mktemp("zz-other-dp"))
+    teachers = {"math": tiny_teachers["llama"], "chat": other}
+    batch = {"micro_batch_tokens": 128, "global_batch_tokens": 512}
+    train = {"student": alone["student"], "batch": batch}
+    paths = {
+        name: sets_config(root / name, teachers, tiny_teachers["llama"], ROWS, **train)
+        for name in ("one", "two")
+    }
+    one = trained(paths["one"])
+    store = open_store(root / "one" / "store.zarr")
+    work = []  # per step and rank: (microbatches, rows of several teachers, rows with chat's alignment)
+    for step in epoch_steps(store.lengths, seed=0, epoch=0, global_batch_tokens=512)[:3]:
+        for rank in (0, 1):
+            micro = rank_microbatches(step, store.lengths, dp_rank=rank, dp_size=2, micro_batch_tokens=128)
+            flat = [int(i) for m in micro for i in m]
+            several = sum(len(store.teachers_of(i)) > 1 for i in flat)
+            work.append((len(micro), several, sum(store.other_tokenizer(i) is not None for i in flat)))
+    assert any(work[2 * s] != work[2 * s + 1] for s in range(3)), work
+    cfg = load_config(paths["two"])
+    run_precompute(cfg, show_progress=False, log=lambda _: None)
+    run_torchrun(["train", str(paths["two"])], nproc=2)
+    two = [
+        r
+        for r in read_metrics(Path(cfg.train.output_dir) / METRICS_FILE)
+        if r.get("split", "train") == "train"
+    ]
+    for mine, theirs in zip(two, one, strict=True):
+        assert mine["trained_tokens"] == theirs["trained_tokens"]
+        assert mine["aligned_share_by_teacher"] == theirs["aligned_share_by_teacher"]
+        assert set(mine["divergence_by_teacher"]) == set(theirs["divergence_by_teacher"])
+    assert any("," in key for key in one[0]["divergence_by_teacher"])  # a mixture among the targets
+    assert_same_training(two, one, layers=2, width=128)

@@ -1,5 +1,8 @@
-"""Several teachers for one token (DESIGN §14): the mixture target Σ_k w_k p_k, rebuilt chunk by chunk
-from each teacher's hidden rows and head and mixed in log space, then any divergence kind against it.
+"""Several teachers for one token (DESIGN §14): each token's target rebuilt chunk by chunk from the
+hidden rows and heads of the teachers that score it — their mixture Σ_k w_k p_k mixed in log space, the
+one most likely to emit the next token (`min_ce`), or each in turn (`sum`) — then any divergence kind
+against it. A teacher of another vocabulary enters projected onto the student's (projected first, then
+combined).
 
 Per chunk of C tokens: one student GEMM (the shared loop), and per teacher one GEMM over the chunk's
 tokens it scores, its log-softmax (statistics reduced over the tensor-parallel group, O(C) numbers) and
