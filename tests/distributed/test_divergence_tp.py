@@ -393,10 +393,7 @@ def test_each_ensemble_method_under_tensor_parallelism_equals_the_float64_refere
     hs, ws, mb, heads, projections = other.cross_case(seed=13) if cross else (*same.case(seed=13), {})
     rtol = other.RTOL if cross else same.RTOL
     for (method, kind), got_rank0 in results[0].items():
-        if cross:
-            want = other.reference(method, hs, ws, mb, heads, projections, norm, kind, 0.7)
-        else:
-            want = same.reference(method, hs, ws, mb, heads, norm, kind, 0.7)
+        want = same.reference(method, hs, ws, mb, heads, norm, kind, 0.7, projections)
         _, per_token, grad_hidden, grad_head = want
         for got in (got_rank0, results[1][method, kind]):
             assert_close(got["per_token"], per_token, rtol=rtol, norm=True, what=f"{method} {kind} per_token")

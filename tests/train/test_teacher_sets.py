@@ -76,15 +76,16 @@ def options(kind: str, chunk: int, temperature: float) -> dict[str, Any]:
     )
 
 
-def fused(method: str, hs, ws, mb, heads, norm, **settings):  # type: ignore[no-untyped-def]
+def fused(method: str, hs, ws, mb, heads, norm, projections=None, **settings):  # type: ignore[no-untyped-def]
+    """`ensemble_loss`'s loss, values and gradients (`projections`: teachers of another vocabulary)."""
     hs, ws = hs.clone().requires_grad_(), ws.clone().requires_grad_()
     transforms = {t: LogitTransform() for t in heads}
-    out = ensemble_loss(method, hs, ws, mb, norm, WEIGHTS, heads, transforms, settings)
+    out = ensemble_loss(method, hs, ws, mb, norm, WEIGHTS, heads, transforms, settings, projections)
     out.loss.backward()
     return out.loss.detach(), out.per_token, hs.grad, ws.grad
 
 
-def reference(method: str, hs, ws, mb, heads, norm, kind: str, temperature: float):  # type: ignore[no-untyped-def]
+def reference(method: str, hs, ws, mb, heads, norm, kind: str, temperature: float, projections=None):  # type: ignore[no-untyped-def]
     hs, ws = hs.double().requires_grad_(), ws.double().requires_grad_()
     out = reference_ensemble(
         method,
@@ -98,6 +99,7 @@ def reference(method: str, hs, ws, mb, heads, norm, kind: str, temperature: floa
         norm.double(),
         kind=kind,
         temperature=temperature,
+        projections=projections,
     )
     out.loss.backward()
     return out.loss.detach(), out.per_token, hs.grad, ws.grad

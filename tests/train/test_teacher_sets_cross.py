@@ -9,14 +9,12 @@ import itertools
 import pytest
 import torch
 
-from mopd.store.format.transform import LogitTransform
 from mopd.tokens.projection import Projection
-from mopd.train.ensembles import METHODS, ensemble_loss
+from mopd.train.ensembles import METHODS
 from mopd.train.kernel.divergence import KINDS
 from mopd.train.kernel.projected import projected_divergence
-from mopd.train.kernel.reference import reference_ensemble
 from tests.tolerance import assert_close, sum_rtol
-from tests.train.test_teacher_sets import SIZES, WEIGHTS, N, V, case, options
+from tests.train.test_teacher_sets import SIZES, WEIGHTS, N, V, case, fused, options, reference
 
 CROSS, TEACHER_VOCAB, UNREACHED = 2, 61, 7  # teacher 2 speaks 61 tokens; 7 student tokens get none
 # As test_teacher_sets.RTOL, with the projected teacher's log-softmax over its 61 tokens and a
@@ -52,34 +50,6 @@ def cross_case(seed: int, sets: list[tuple[int, ...]] | None = None):  # type: i
     return hs, ws, mb, heads, {CROSS: projection(seed)}
 
 
-def fused(method: str, hs, ws, mb, heads, projections, norm, **settings):  # type: ignore[no-untyped-def]
-    hs, ws = hs.clone().requires_grad_(), ws.clone().requires_grad_()
-    transforms = {t: LogitTransform() for t in heads}
-    out = ensemble_loss(method, hs, ws, mb, norm, WEIGHTS, heads, transforms, settings, projections)
-    out.loss.backward()
-    return out.loss.detach(), out.per_token, hs.grad, ws.grad
-
-
-def reference(method: str, hs, ws, mb, heads, projections, norm, kind: str, temperature: float):  # type: ignore[no-untyped-def]
-    hs, ws = hs.double().requires_grad_(), ws.double().requires_grad_()
-    out = reference_ensemble(
-        method,
-        hs,
-        ws,
-        mb.teacher_set,
-        {t: h.double() for t, h in mb.teacher_hidden.items()},
-        {t: h.double() for t, h in heads.items()},
-        {t: float(w) for t, w in enumerate(WEIGHTS)},
-        mb.labels,
-        norm.double(),
-        kind=kind,
-        temperature=temperature,
-        projections=projections,
-    )
-    out.loss.backward()
-    return out.loss.detach(), out.per_token, hs.grad, ws.grad
-
-
 @pytest.mark.parametrize(
     ("method", "kind", "temperature"),
     list(itertools.product(METHODS, KINDS, [1.0])) + [(m, "reverse_kl", 0.7) for m in METHODS],
@@ -95,8 +65,8 @@ def test_each_method_with_a_teacher_of_another_vocabulary_equals_the_float64_ref
     alone = int((mb.teacher_set == 1 << CROSS).sum())
     assert alone and int(((mb.teacher_set >> CROSS) & 1).sum()) > alone  # both kinds of token occur
     norm = torch.rand(N, generator=torch.Generator().manual_seed(4)) / N
-    got = fused(method, hs, ws, mb, heads, projections, norm, **options(kind, 7, temperature))
-    want = reference(method, hs, ws, mb, heads, projections, norm, kind, temperature)
+    got = fused(method, hs, ws, mb, heads, norm, projections, **options(kind, 7, temperature))
+    want = reference(method, hs, ws, mb, heads, norm, kind, temperature, projections)
     for name, g, w in zip(("loss", "per_token", "grad_hidden", "grad_head"), got, want, strict=True):
         assert_close(g, w, rtol=RTOL, norm=True, what=f"{method} {name}")
 
@@ -108,7 +78,7 @@ def test_a_set_of_one_teacher_of_another_vocabulary_is_its_routed_run(method: st
     hs, ws, mb, heads, projections = cross_case(seed=22, sets=[(CROSS,)] * N)
     norm = torch.full((N,), 1.0 / N)
     settings = options("reverse_kl", 7, 1.0)
-    got = fused(method, hs, ws, mb, heads, projections, norm, **settings)
+    got = fused(method, hs, ws, mb, heads, norm, projections, **settings)
     hs, ws = hs.clone().requires_grad_(), ws.clone().requires_grad_()
     settings.pop("compiled")
     out = projected_divergence(
